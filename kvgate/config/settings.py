@@ -1,0 +1,167 @@
+"""The one typed settings model for kvgate.
+
+Every flag is a field here. Flag names are the field names with dashes (`kvs_backend` ->
+`--kvs-backend`), YAML keys are the field names, environment variables are `KVGATE_` + the
+upper-cased field name. Llumnix's names and defaults are kept where a Llumnix flag exists
+(REFERENCE.md section 4) so operators can move configurations across.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class KVSBackendName(StrEnum):
+    MOONCAKE = "mooncake"
+    REDIS = "redis"
+    EMBEDDED = "embedded"
+
+
+class HashAlgo(StrEnum):
+    SHA256_CBOR = "sha256_cbor"
+    SHA256_HEX = "sha256_hex"
+    XXHASH = "xxhash"
+
+
+class DispatchPolicy(StrEnum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    PREFIX = "prefix"
+    CACHE_AWARE = "cache_aware"
+
+
+class InstanceRole(StrEnum):
+    NEUTRAL = "neutral"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# Load metrics a user may put in --dispatch-metric-order (the cache metrics are added by the policy).
+LOAD_METRICS = (
+    "all_prefills_tokens_num",
+    "num_waiting_requests",
+    "num_requests",
+    "kv_cache_usage_ratio",
+)
+CACHE_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
+
+
+class InstanceConfig(BaseModel):
+    """One engine instance behind the gateway."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: Annotated[str, Field(min_length=1)]
+    url: Annotated[str, Field(pattern=r"^https?://")]
+    model: Annotated[str, Field(min_length=1)]
+    role: InstanceRole = InstanceRole.NEUTRAL
+    # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
+    kvs_endpoints: tuple[str, ...] = ()
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- scheduling (Llumnix names) ---
+    enable_cache_aware_scheduling: bool = Field(
+        False, description="Llumnix switch: turns the least_load policy into cache_aware."
+    )
+    cache_aware_scheduling_min_tokens: int = Field(
+        1024, ge=0, description="Prompts shorter than this are routed on load alone."
+    )
+    dispatch_policy: DispatchPolicy = Field(
+        DispatchPolicy.LEAST_LOAD, description="round_robin | least_load | prefix | cache_aware"
+    )
+    dispatch_metric_order: tuple[str, ...] = Field(
+        LOAD_METRICS, description="Load metrics compared in order; the first strict difference decides."
+    )
+    dispatch_top_k: int = Field(1, ge=1, description="Choose at random among the best k instances.")
+    request_local_account_staleness_s: float = Field(
+        10.0, gt=0, description="Dispatched requests never seen finishing leave the account after this."
+    )
+    hash_seed: str = Field("0", description="Hash seed string (env GO_HASH_SEED, as vLLM's PYTHONHASHSEED).")
+
+    # --- KV store (Llumnix names) ---
+    kvs_backend: KVSBackendName = KVSBackendName.MOONCAKE
+    kvs_hash_algo: HashAlgo = HashAlgo.SHA256_CBOR
+    kvs_chunk_size: int = Field(256, ge=1)
+    kvs_enable_save_unfull_chunk: bool = False
+    kvs_key_format: str = Field(
+        "llumnix",
+        description="Key preset (llumnix, sglang_mha, sglang_mla, vllm_mooncake, iris) or a template with {hash}.",
+    )
+    kvs_model_name: str = Field("", description="Model name used by key formats that embed it.")
+    kvs_retry_times: int = Field(5, ge=0)
+    kvs_retry_interval_ms: float = Field(100, ge=0)
+    kvs_metadata_service_down_duration_s: float = Field(30, ge=0)
+    kvs_query_budget_ms: float = Field(
+        50, gt=0, description="Total time one request may spend asking the store, retries included."
+    )
+    kvs_iris_meta_prefix: str = "iris."
+    kvs_vllm_block_prefix: str = "block.hash.key."
+    kvs_metadata_service_http_server_host: str = "127.0.0.1"
+    kvs_metadata_service_http_server_port: int = Field(9003, ge=1, le=65535)
+    kvs_redis_url: str = "redis://127.0.0.1:6379/0"
+    kvs_redis_key_prefix: str = Field("kvgate:kv:", description="Namespace of the Redis block index.")
+
+    # --- gateway ---
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    tokenizer: str = Field("", description="Local directory or name of a Hugging Face tokenizer (offline).")
+    chat_template: str = Field("", description="Jinja chat template file overriding the tokenizer's.")
+    tokenize_cache_size: int = Field(4096, ge=0, description="Prefix-aware tokenize cache entries.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    forward_retries: int = Field(2, ge=0, description="Retries on the next-best instance before the first byte.")
+    upstream_connect_timeout_s: float = Field(3.0, gt=0)
+    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    health_check_interval_s: float = Field(2.0, gt=0)
+    health_check_failures_to_eject: int = Field(2, ge=1)
+    stats_poll_interval_s: float = Field(1.0, gt=0)
+    admin_token: str = Field("", description="Bearer token for /admin routes; empty disables them.")
+    forward_token_ids: bool = Field(False, description="Send the prompt to engines as token ids.")
+
+    # --- admission (Mooncake-style early rejection) ---
+    ttft_slo_s: float = Field(0.0, ge=0, description="Refuse (429) requests predicted to miss this TTFT; 0 = off.")
+
+    instances: tuple[InstanceConfig, ...] = ()
+
+    @field_validator("dispatch_metric_order", mode="before")
+    @classmethod
+    def _split_metric_order(cls, value):
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("dispatch_metric_order")
+    @classmethod
+    def _known_metrics(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [m for m in value if m not in LOAD_METRICS + CACHE_METRICS]
+        if unknown:
+            raise ValueError(f"unknown metric(s) {unknown}; choose from {list(LOAD_METRICS + CACHE_METRICS)}")
+        if not value:
+            raise ValueError("needs at least one metric")
+        return value
+
+    @field_validator("hash_seed", mode="before")
+    @classmethod
+    def _empty_seed_is_zero(cls, value):
+        # vLLM and Llumnix treat an unset or empty seed as "0".
+        return value or "0"
+
+    @model_validator(mode="after")
+    def _unique_instance_ids(self) -> Settings:
+        ids = [inst.id for inst in self.instances]
+        duplicated = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicated:
+            raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        return self
+
+    @property
+    def effective_policy(self) -> DispatchPolicy:
+        """The Llumnix switch upgrades least_load to cache_aware; other policies are explicit."""
+        if self.enable_cache_aware_scheduling and self.dispatch_policy == DispatchPolicy.LEAST_LOAD:
+            return DispatchPolicy.CACHE_AWARE
+        return self.dispatch_policy

@@ -1,0 +1,1 @@
+"""Prometheus definitions for kvgate: every metric name, label and bucket lives in `definitions`."""

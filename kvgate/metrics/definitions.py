@@ -1,0 +1,114 @@
+"""Every Prometheus metric kvgate exports: names, labels and buckets in one place.
+
+Metrics are created on a registry passed in (one per gateway) so tests and several gateways in
+one process never collide on the global default registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds; spans sub-millisecond store lookups up to multi-second long-prompt prefills.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_KEY_COUNT_BUCKETS = (1, 4, 16, 64, 256, 512, 1024, 4096, 16384)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass(frozen=True)
+class KVSMetrics:
+    query_seconds: Histogram
+    query_outcomes: Counter  # outcome: hit | miss | error | skipped_down
+    keys_per_query: Histogram
+    service_up: Gauge
+
+
+@dataclass(frozen=True)
+class GatewayMetrics:
+    requests: Counter  # route, status
+    ttft_seconds: Histogram
+    e2e_seconds: Histogram
+    stage_seconds: Histogram  # stage: tokenize | kvs | schedule
+    prefix_hit_ratio: Histogram
+    forward_retries: Counter  # instance
+    admission_rejections: Counter
+    inflight_requests: Gauge  # instance
+    inflight_prefill_tokens: Gauge  # instance
+    instance_healthy: Gauge  # instance
+
+
+def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
+    return KVSMetrics(
+        query_seconds=Histogram(
+            "kvgate_kvs_query_seconds",
+            "Time spent asking the KV store which endpoints hold a request's blocks (retries included).",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        ),
+        query_outcomes=Counter(
+            "kvgate_kvs_queries",
+            "KV store lookups by outcome: hit (some block found), miss, error, skipped_down.",
+            ["backend", "outcome"],
+            registry=registry,
+        ),
+        keys_per_query=Histogram(
+            "kvgate_kvs_keys_per_query",
+            "Number of block keys asked in one lookup.",
+            ["backend"],
+            buckets=_KEY_COUNT_BUCKETS,
+            registry=registry,
+        ),
+        service_up=Gauge(
+            "kvgate_kvs_service_up",
+            "1 while the metadata service is considered up, 0 while it is marked down.",
+            ["backend"],
+            registry=registry,
+        ),
+    )
+
+
+def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
+    return GatewayMetrics(
+        requests=Counter(
+            "kvgate_requests", "Requests answered, by route and HTTP status.", ["route", "status"],
+            registry=registry,
+        ),
+        ttft_seconds=Histogram(
+            "kvgate_ttft_seconds", "Time from request arrival to the first byte relayed to the client.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        ),
+        e2e_seconds=Histogram(
+            "kvgate_e2e_seconds", "Time from request arrival to the end of the response.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        ),
+        stage_seconds=Histogram(
+            "kvgate_stage_seconds", "Time spent in each routing stage.", ["stage"],
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        ),
+        prefix_hit_ratio=Histogram(
+            "kvgate_prefix_hit_ratio", "Prefix hit tokens / prompt tokens on the selected instance.",
+            buckets=_RATIO_BUCKETS, registry=registry,
+        ),
+        forward_retries=Counter(
+            "kvgate_forward_retries", "Requests retried on another instance, by the instance that failed.",
+            ["instance"], registry=registry,
+        ),
+        admission_rejections=Counter(
+            "kvgate_admission_rejections", "Requests refused with 429 because the predicted TTFT misses the SLO.",
+            registry=registry,
+        ),
+        inflight_requests=Gauge(
+            "kvgate_inflight_requests", "Requests dispatched to an instance and not yet finished.", ["instance"],
+            registry=registry,
+        ),
+        inflight_prefill_tokens=Gauge(
+            "kvgate_inflight_prefill_tokens", "Uncomputed prompt tokens dispatched to an instance awaiting first token.",
+            ["instance"], registry=registry,
+        ),
+        instance_healthy=Gauge(
+            "kvgate_instance_healthy", "1 while the instance passes health checks, 0 while ejected.", ["instance"],
+            registry=registry,
+        ),
+    )

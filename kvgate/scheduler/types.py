@@ -1,0 +1,57 @@
+"""Plain data the scheduler works on. No I/O: the gateway and the simulator fill these in."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvgate.config.settings import InstanceRole
+
+
+@dataclass(slots=True)
+class InstanceLoad:
+    """An instance's load as the selector sees it: engine stats merged with the dispatch account."""
+
+    num_requests: int = 0
+    num_waiting_requests: int = 0
+    # Uncomputed prompt tokens queued for prefill there (engine-reported + dispatched, not yet seen).
+    all_prefills_tokens_num: int = 0
+    kv_cache_usage_ratio: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An instance the request may go to."""
+
+    id: str
+    role: InstanceRole
+    load: InstanceLoad
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What a policy needs to know about one request."""
+
+    num_prompt_tokens: int
+    # Contiguous-from-chunk-0 hit tokens per instance id; an instance absent here has no hit.
+    prefix_hit_tokens: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceScore:
+    """Why an instance ranked where it did (what /debug/schedule shows)."""
+
+    id: str
+    prefix_hit_tokens: int
+    prefix_miss_tokens: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The chosen instance and the full ranking (retries walk it in order)."""
+
+    selected: str | None
+    ranking: tuple[str, ...]
+    scores: tuple[InstanceScore, ...]
+    cache_aware: bool
