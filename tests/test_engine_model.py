@@ -63,8 +63,12 @@ def test_table_profile_interpolates_and_keeps_chunks_consistent():
     p = ServiceProfile.from_table([(1000, 0.05), (4000, 0.35)], step_overhead_s=0.01)
     assert p.step_overhead_s + p.prefill.chunk_s(0, 1000) == pytest.approx(0.05)
     assert p.step_overhead_s + p.prefill.chunk_s(0, 4000) == pytest.approx(0.35)
-    assert p.prefill.chunk_s(0, 2000) + p.prefill.chunk_s(2000, 2000) == pytest.approx(p.prefill.chunk_s(0, 4000))
-    assert p.prefill.chunk_s(4000, 1000) == pytest.approx(p.prefill.chunk_s(3000, 1000))  # last slope continues
+    assert p.prefill.chunk_s(0, 2000) + p.prefill.chunk_s(2000, 2000) == pytest.approx(
+        p.prefill.chunk_s(0, 4000)
+    )
+    assert p.prefill.chunk_s(4000, 1000) == pytest.approx(
+        p.prefill.chunk_s(3000, 1000)
+    )  # last slope continues
     with pytest.raises(ValueError):
         ServiceProfile.from_table([(4000, 0.3), (1000, 0.1)])
 
@@ -84,7 +88,9 @@ def test_repeated_prefix_prefills_faster_and_counts_hits():
 def test_request_queued_behind_same_prefix_reuses_it_when_admitted():
     # One running slot: the second request waits, and is matched only when admitted.
     engine = EngineCore(profile(max_running_requests=1))
-    first, _, _ = run(engine, [(0.0, request("a", "doc", 1024, max_tokens=2)), (0.0, request("b", "doc", 1024))])
+    first, _, _ = run(
+        engine, [(0.0, request("a", "doc", 1024, max_tokens=2)), (0.0, request("b", "doc", 1024))]
+    )
     assert engine.stats().prefix_cache_hits == 1024 - 1  # a fully cached prompt still computes one token
     assert first["b"] - first["a"] < first["a"] / 4
 
@@ -153,7 +159,9 @@ def test_pinned_blocks_survive_eviction_and_reservations_respect_capacity():
 def test_cache_change_callbacks_report_added_then_evicted_blocks():
     changes: list[tuple[list[str], list[str]]] = []
     # 12 blocks: each request needs 4 prompt blocks + 1 for its answer, so the third evicts the first.
-    engine = EngineCore(profile(cache_capacity_blocks=12), on_cache_change=lambda a, e: changes.append((a, e)))
+    engine = EngineCore(
+        profile(cache_capacity_blocks=12), on_cache_change=lambda a, e: changes.append((a, e))
+    )
     run(engine, [(0.0, request("a", "a", 64))])
     assert [k for added, _ in changes for k in added] == ["a-0", "a-1", "a-2", "a-3"]
     run(engine, [(0.0, request("b", "b", 64))])
@@ -196,7 +204,9 @@ def test_cancel_frees_slots_pins_and_memory():
 
 def test_every_account_returns_to_zero_after_a_busy_run():
     engine = EngineCore(profile(cache_capacity_blocks=160))
-    arrivals = [(i * 0.003, request(f"r{i}", f"p{i % 5}", 100 + 17 * i, max_tokens=1 + i % 7)) for i in range(40)]
+    arrivals = [
+        (i * 0.003, request(f"r{i}", f"p{i % 5}", 100 + 17 * i, max_tokens=1 + i % 7)) for i in range(40)
+    ]
     _, finish, _ = run(engine, arrivals)
     assert len(finish) == 40
     assert engine.cache.used_blocks == 0 and engine.uncomputed_prefill_tokens() == 0
@@ -206,7 +216,9 @@ def test_every_account_returns_to_zero_after_a_busy_run():
 
 
 def test_fast_forward_equals_stepping_one_by_one():
-    arrivals = [(i * 0.05, request(f"r{i}", f"p{i % 3}", 300 + 50 * i, max_tokens=20 + 13 * i)) for i in range(12)]
+    arrivals = [
+        (i * 0.05, request(f"r{i}", f"p{i % 3}", 300 + 50 * i, max_tokens=20 + 13 * i)) for i in range(12)
+    ]
     slow_first, slow_finish, slow_steps = run(EngineCore(profile()), arrivals)
     fast_first, fast_finish, fast_steps = run(EngineCore(profile()), arrivals, fast_forward=True)
     assert fast_first == pytest.approx(slow_first)

@@ -117,10 +117,14 @@ class EngineCore:
         if req.request_id in self._ids:
             raise ValueError(f"request id {req.request_id!r} already in the engine")
         if len(req.block_keys) > req.num_prompt_tokens // bs:
-            raise ValueError(f"{len(req.block_keys)} block keys for {req.num_prompt_tokens} tokens of {bs}-token blocks")
+            raise ValueError(
+                f"{len(req.block_keys)} block keys for {req.num_prompt_tokens} tokens of {bs}-token blocks"
+            )
         capacity = self.profile.cache_capacity_blocks
         if -(-(req.num_prompt_tokens + 1) // bs) > capacity:
-            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens exceeds the KV capacity ({capacity * bs} tokens)")
+            raise ValueError(
+                f"prompt of {req.num_prompt_tokens} tokens exceeds the KV capacity ({capacity * bs} tokens)"
+            )
         # Memory for the prompt and every token it may generate, capped so a long answer still runs alone.
         blocks_needed = min(-(-(req.num_prompt_tokens + req.max_tokens) // bs), capacity)
         self._waiting.append(_Sequence(req, blocks_needed, now))

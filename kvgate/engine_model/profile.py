@@ -119,4 +119,6 @@ class ServiceProfile:
     def with_block_size(self, block_size: int) -> ServiceProfile:
         """The same GPU with another block size: the cache keeps its capacity in tokens."""
         tokens = self.cache_capacity_blocks * self.block_size
-        return dataclasses.replace(self, block_size=block_size, cache_capacity_blocks=max(1, tokens // block_size))
+        return dataclasses.replace(
+            self, block_size=block_size, cache_capacity_blocks=max(1, tokens // block_size)
+        )
