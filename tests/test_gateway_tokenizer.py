@@ -1,0 +1,151 @@
+"""The tokenizer service must produce exactly the ids of a plain full encode, cache or not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvgate.gateway.tokenizer import (
+    INLINE_MAX_CHARS,
+    ChatTemplateError,
+    TokenizerLoadError,
+    TokenizerService,
+    load_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture()
+def service(tokenizer):
+    svc = TokenizerService(tokenizer, cache_size=256)
+    yield svc
+    svc.close()
+
+
+def full_chat_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_default_tokenizer_gets_the_default_template(tokenizer):
+    assert "<｜User｜>" in tokenizer.chat_template
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert text == "<｜begin▁of▁sentence｜>S\n\n<｜User｜>Q<｜Assistant｜>"
+
+
+def test_segmenting_is_enabled_for_the_default_tokenizer(service):
+    # The start-up probe accepted line and turn-marker boundaries for this tokenizer.
+    assert service._segmenter is not None
+
+
+def test_growing_conversation_matches_full_encode_and_reuses_segments(tokenizer, service):
+    messages = [{"role": "system", "content": "You are terse.\n" * 80}]
+    for turn in range(12):
+        role = "user" if turn % 2 == 0 else "assistant"
+        messages.append({"role": role, "content": f"turn {turn}: " + "lorem ipsum 42 数字!\n  more\n" * 30})
+        before = service.cached_segments
+        ids = service.encode_chat_sync(messages)
+        assert ids == full_chat_ids(tokenizer, messages)
+        # Only the new tail is tokenized: a handful of new segments, not the whole history again.
+        assert service.cached_segments - before <= 6
+
+
+def test_prompt_matches_full_encode_with_special_tokens(tokenizer, service):
+    text = "Translate:\n" + "the cat sat on the mat. " * 400 + "\n<｜User｜>tail"
+    assert service.encode_prompt_sync(text) == tokenizer.encode(text, add_special_tokens=True)
+    assert service.encode_prompt_sync(text) == tokenizer.encode(text, add_special_tokens=True)  # cached
+
+
+# Pieces chosen to straddle every boundary kind: spaces, newlines, digits, CJK, turn markers.
+_PIECES = list("ab \n\t.,!?1234数字漢字é") + ["<｜User｜>", "<｜Assistant｜>", "  ", "\n\n", "word "]
+_TEXT = st.lists(st.sampled_from(_PIECES), max_size=1500).map("".join)
+
+
+@pytest.fixture()
+def fine_service(tokenizer):
+    """Every boundary taken (no merging of short segments), so random texts exercise each cut."""
+    svc = TokenizerService(tokenizer, cache_size=256, min_segment_chars=1)
+    yield svc
+    svc.close()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_TEXT)
+def test_random_text_matches_full_encode(tokenizer, fine_service, text):
+    assert fine_service.encode_prompt_sync(text) == tokenizer.encode(text, add_special_tokens=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contents=st.lists(_TEXT, min_size=1, max_size=6))
+def test_random_chats_match_full_encode(tokenizer, fine_service, contents):
+    messages = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(contents)]
+    assert fine_service.encode_chat_sync(messages) == full_chat_ids(tokenizer, messages)
+
+
+async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
+    long_text = "word " * (INLINE_MAX_CHARS + 100)
+    ids, short = await asyncio.gather(service.encode_prompt(long_text), service.encode_prompt("hi"))
+    assert ids == tokenizer.encode(long_text) and short == tokenizer.encode("hi")
+    messages = [{"role": "user", "content": long_text}]
+    assert await service.encode_chat(messages) == full_chat_ids(tokenizer, messages)
+
+
+def test_content_parts_are_joined_and_non_text_parts_refused(tokenizer, service):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert service.encode_chat_sync(parts) == full_chat_ids(tokenizer, [{"role": "user", "content": "a\nb"}])
+    with pytest.raises(ChatTemplateError):
+        service.encode_chat_sync([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ChatTemplateError, match="unsupported message role"):
+        service.encode_chat_sync([{"role": "wizard", "content": "x"}])
+
+
+def test_missing_tokenizer_or_template_names_the_flag(tmp_path):
+    with pytest.raises(TokenizerLoadError, match="--tokenizer"):
+        load_tokenizer(str(tmp_path / "nowhere"))
+    with pytest.raises(TokenizerLoadError, match="--chat-template"):
+        load_tokenizer("", str(tmp_path / "missing.jinja"))
+
+
+def test_custom_template_file_is_used(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    tok = load_tokenizer("", str(path))
+    svc = TokenizerService(tok)
+    try:
+        assert svc.render_chat([{"role": "user", "content": "x"}]) == "[user]x"
+    finally:
+        svc.close()
+
+
+def test_tokenizer_whose_boundaries_are_not_independent_falls_back_to_whole_texts():
+    # A SentencePiece-style tokenizer prepends "▁" to the first word of every encode, so a cut
+    # after a newline would change the ids: the start-up probe must notice and disable cutting.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for line in ("The quick brown fox 12345 times", "x") for w in line.split()})
+    vocab = {"[UNK]": 0, "▁": 1, "\n": 2}
+    for w in words:
+        vocab.setdefault("▁" + w, len(vocab))
+        vocab.setdefault(w, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    svc = TokenizerService(tok)
+    try:
+        assert svc._segmenter is None
+        text = "The quick\nbrown fox\n" * 200
+        assert svc.encode_prompt_sync(text) == tok.encode(text)
+    finally:
+        svc.close()
