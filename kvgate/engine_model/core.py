@@ -46,6 +46,9 @@ class StepOutcome:
     duration_s: float = 0.0
     # (request id, seconds it waited between submit and admission) for requests admitted this step.
     admitted: list[tuple[str, float]] = field(default_factory=list)
+    # Request id -> prompt tokens found in the prefix cache, for requests admitted this step
+    # (what vLLM reports per request as usage.prompt_tokens_details.cached_tokens).
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     # Prefill finished this step: the first token is out at now + duration_s.
     first_tokens: list[str] = field(default_factory=list)
     # Got decode tokens this step (num_steps tokens each when fast-forwarded).
@@ -255,6 +258,7 @@ class EngineCore:
             self._queries += seq.prompt
             self._hits += cached
             out.cached_tokens_hit += cached
+            out.cached_tokens[seq.request_id] = cached
             out.admitted.append((seq.request_id, now - seq.submitted_at))
         return evicted
 
