@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +32,12 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per Settings field; unset flags stay absent so lower layers show through."""
+def add_settings_arguments(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+    """Add one flag per Settings field (or per field in `only`); unset flags stay absent so lower
+    layers show through."""
     parser.add_argument("--config", help="YAML file whose keys are the flag names with underscores")
     for name, field in Settings.model_fields.items():
-        if name in _FILE_ONLY_FIELDS:
+        if name in _FILE_ONLY_FIELDS or (only is not None and name not in only):
             continue
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": name, "help": field.description}
         if field.annotation is bool:
