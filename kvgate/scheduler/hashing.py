@@ -3,21 +3,26 @@
 Three algorithms (REFERENCE.md section 1). Each chains its chunks: a block's hash covers every
 token before it, so equal hashes mean an equal prefix. The functions here return *raw* hash
 strings; `key_formats` turns them into store keys (suffixes, prefixes, model names).
+
+Speed matters: a 128K-token prompt is hashed on the request path. Each algorithm therefore packs
+the whole token array once and feeds byte slices of it to the hash, instead of re-encoding token by
+token in Python.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import cbor2
+import numpy as np
 import xxhash
 
 from kvgate.config.settings import HashAlgo
-
-_UINT32_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +34,80 @@ class BlockHash:
     full: bool
 
 
-def _chunks(token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool):
-    whole = len(token_ids) - len(token_ids) % chunk_size
-    for start in range(0, whole, chunk_size):
-        yield token_ids[start : start + chunk_size], True
-    if save_unfull_chunk and whole < len(token_ids):
-        yield token_ids[whole:], False
+def _chunk_bounds(num_tokens: int, chunk_size: int, save_unfull_chunk: bool) -> Iterator[tuple[int, int]]:
+    """(start, end) token index of each hashed chunk; the unfull tail only when it is saved."""
+    whole = num_tokens - num_tokens % chunk_size
+    yield from ((start, start + chunk_size) for start in range(0, whole, chunk_size))
+    if save_unfull_chunk and whole < num_tokens:
+        yield whole, num_tokens
+
+
+def _packed_le(token_ids: Sequence[int], code: str, what: str) -> bytes:
+    """The whole prompt packed once as little-endian `code` ints (struct syntax)."""
+    try:
+        return struct.pack(f"<{len(token_ids)}{code}", *token_ids)
+    except struct.error:
+        raise ValueError(f"{what}: a token id is out of range") from None
+
+
+# --- sha256_cbor (vLLM) -------------------------------------------------------------------------
+#
+# Each block hashes cbor2.dumps([parent (32 bytes), [token ints], None], canonical=True). That value
+# has a fixed shape, so it is assembled here from its parts: the array head, the byte-string head
+# and parent, the list head, every token's canonical uint encoding, and the `null` byte. The token
+# encodings are computed for the whole prompt at once with numpy; tests check the result is
+# byte-equal to cbor2's. Negative or >= 2**64 ids (never real tokens) go through cbor2 itself.
+
+_CBOR_TRIPLE_AND_BYTES32_HEAD = b"\x83\x58\x20"  # array of 3 items, then a 32-byte string
+_CBOR_NULL = b"\xf6"
+# A uint below 24 is its own head byte (class 0). Above, the head says how many big-endian
+# argument bytes follow: classes 1..4 start at these limits.
+_UINT_CLASS_LIMITS = (24, 2**8, 2**16, 2**32)
+_UINT_CLASS_WIDTH = np.array([0, 1, 2, 4, 8], dtype=np.int64)
+_UINT_CLASS_HEAD = np.array([0, 0x18, 0x19, 0x1A, 0x1B], dtype=np.uint8)
+
+
+def cbor_head(major_type: int, argument: int) -> bytes:
+    """Canonical (shortest) CBOR head of a data item, e.g. major type 4 = array of `argument` items."""
+    initial = major_type << 5
+    if argument < 24:
+        return bytes((initial | argument,))
+    for code, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+        if argument < 1 << (8 * struct.calcsize(fmt)):
+            return bytes((initial | code,)) + struct.pack(fmt, argument)
+    raise ValueError("a CBOR head argument must be below 2**64")
+
+
+def cbor_uints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Canonical CBOR encodings of little-endian uint64 `values`, concatenated, and each one's end offset."""
+    size_class = np.zeros(len(values), dtype=np.int8)
+    for limit in _UINT_CLASS_LIMITS:
+        size_class += values >= limit
+    item_width = _UINT_CLASS_WIDTH[size_class]
+    width = int(item_width.max()) if len(values) else 0
+    # One row per value: head byte + big-endian argument, only as wide as the largest value needs.
+    rows = np.empty((len(values), 1 + width), dtype=np.uint8)
+    rows[:, 0] = np.where(size_class == 0, values, _UINT_CLASS_HEAD[size_class])
+    if width:
+        rows[:, 1:] = values.view(np.uint8).reshape(-1, 8)[:, width - 1 :: -1]  # low bytes, reversed
+    # Then keep each row's head and its own argument bytes (the rightmost item_width), in order.
+    keep_by_class = np.hstack(
+        [np.ones((len(_UINT_CLASS_WIDTH), 1), bool), _UINT_CLASS_WIDTH[:, None] > np.arange(width)[::-1]]
+    )
+    keep = np.take(keep_by_class, size_class, axis=0)
+    encoded = np.compress(keep.ravel(), rows.ravel()).tobytes()
+    return encoded, np.cumsum(1 + item_width)
+
+
+def _uint64_array(token_ids: Sequence[int]) -> np.ndarray | None:
+    """The tokens as a little-endian uint64 array, or None if one is negative or >= 2**64."""
+    try:
+        packed = array.array("Q", token_ids)  # the fastest list -> machine ints conversion
+    except OverflowError:
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return np.frombuffer(packed, dtype="<u8")
 
 
 def _cbor_sha256(obj) -> bytes:
@@ -49,20 +122,49 @@ def cbor_seed_hash(seed: str) -> bytes:
 def hash_sha256_cbor(
     token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0"
 ) -> list[BlockHash]:
+    tokens = _uint64_array(token_ids)
+    if tokens is None:
+        return _hash_sha256_cbor_generic(token_ids, chunk_size, save_unfull_chunk, seed)
+    bounds = list(_chunk_bounds(len(tokens), chunk_size, save_unfull_chunk))
+    encoded, item_ends = cbor_uints(tokens)
+    view = memoryview(encoded)
+    byte_ends = item_ends[[end - 1 for _, end in bounds]].tolist()
+    full_list_head = cbor_head(4, chunk_size)
     parent = cbor_seed_hash(seed)
     out = []
-    for chunk, full in _chunks(token_ids, chunk_size, save_unfull_chunk):
-        parent = _cbor_sha256([parent, list(chunk), None])
-        out.append(BlockHash(parent.hex(), len(chunk), full))
+    byte_start = 0
+    for (start, end), byte_end in zip(bounds, byte_ends, strict=True):
+        full = end - start == chunk_size
+        digest = hashlib.sha256(_CBOR_TRIPLE_AND_BYTES32_HEAD)
+        digest.update(parent)
+        digest.update(full_list_head if full else cbor_head(4, end - start))
+        digest.update(view[byte_start:byte_end])
+        digest.update(_CBOR_NULL)
+        parent = digest.digest()
+        out.append(BlockHash(parent.hex(), end - start, full))
+        byte_start = byte_end
     return out
+
+
+def _hash_sha256_cbor_generic(
+    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool, seed: str
+) -> list[BlockHash]:
+    """cbor2 itself, for ids the fast encoder does not cover (negative or >= 2**64)."""
+    parent = cbor_seed_hash(seed)
+    out = []
+    for start, end in _chunk_bounds(len(token_ids), chunk_size, save_unfull_chunk):
+        parent = _cbor_sha256([parent, list(token_ids[start:end]), None])
+        out.append(BlockHash(parent.hex(), end - start, end - start == chunk_size))
+    return out
+
+
+# --- sha256_hex (SGLang HiCache) and xxhash (iris) ----------------------------------------------
 
 
 def sha256_hex_block(token_ids: Sequence[int], prior_hex: str | None) -> str:
     """SGLang HiCache's page hash: sha256(prior digest bytes || tokens as uint32 LE)."""
-    if any(t < 0 or t > _UINT32_MAX for t in token_ids):
-        raise ValueError("sha256_hex hashes tokens as uint32: every token id must be in 0..2**32-1")
     digest = hashlib.sha256(bytes.fromhex(prior_hex) if prior_hex else b"")
-    digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    digest.update(_packed_le(token_ids, "I", "sha256_hex hashes tokens as uint32 (0..2**32-1)"))
     return digest.hexdigest()
 
 
@@ -70,11 +172,14 @@ def hash_sha256_hex(
     token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0"
 ) -> list[BlockHash]:
     del seed  # SGLang's page chain has no seed
-    prior: str | None = None
+    view = memoryview(_packed_le(token_ids, "I", "sha256_hex hashes tokens as uint32 (0..2**32-1)"))
+    prior = b""
     out = []
-    for chunk, full in _chunks(token_ids, chunk_size, save_unfull_chunk):
-        prior = sha256_hex_block(chunk, prior)
-        out.append(BlockHash(prior, len(chunk), full))
+    for start, end in _chunk_bounds(len(token_ids), chunk_size, save_unfull_chunk):
+        digest = hashlib.sha256(prior)
+        digest.update(view[4 * start : 4 * end])
+        prior = digest.digest()
+        out.append(BlockHash(prior.hex(), end - start, end - start == chunk_size))
     return out
 
 
@@ -82,14 +187,16 @@ def hash_xxhash(
     token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0"
 ) -> list[BlockHash]:
     del seed  # the iris stream is always seeded with 0
+    view = memoryview(_packed_le(token_ids, "q", "xxhash hashes tokens as int64"))
     stream = xxhash.xxh64(seed=0)
     out = []
-    for chunk, full in _chunks(token_ids, chunk_size, save_unfull_chunk):
-        stream.update(struct.pack(f"<{len(chunk)}q", *chunk))
+    for start, end in _chunk_bounds(len(token_ids), chunk_size, save_unfull_chunk):
+        stream.update(view[8 * start : 8 * end])
+        full = end - start == chunk_size
         if not full:
             # The partial chunk is padded with zero tokens so every key covers whole chunks.
-            stream.update(bytes(8 * (chunk_size - len(chunk))))
-        out.append(BlockHash(str(stream.intdigest()), len(chunk), full))
+            stream.update(bytes(8 * (chunk_size - (end - start))))
+        out.append(BlockHash(str(stream.intdigest()), end - start, full))
     return out
 
 
