@@ -145,6 +145,14 @@ class Settings(BaseModel):
             raise ValueError("needs at least one metric")
         return value
 
+    @field_validator("kvs_key_format")
+    @classmethod
+    def _known_key_format(cls, value: str) -> str:
+        # Imported here: the presets live with the key builders, which import this module.
+        from kvgate.scheduler.key_formats import check_key_format
+
+        return check_key_format(value)
+
     @field_validator("hash_seed", mode="before")
     @classmethod
     def _empty_seed_is_zero(cls, value):
