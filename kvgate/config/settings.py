@@ -106,6 +106,15 @@ class Settings(BaseModel):
     kvs_metadata_service_http_server_port: int = Field(9003, ge=1, le=65535)
     kvs_redis_url: str = "redis://127.0.0.1:6379/0"
     kvs_redis_key_prefix: str = Field("kvgate:kv:", description="Namespace of the Redis block index.")
+    kvs_redis_block_ttl_s: float = Field(
+        60, gt=0, description="Lifetime of an engine's claim in the Redis index unless the engine refreshes it."
+    )
+    kvs_batch_query_max_url_bytes: int = Field(
+        131072, ge=1024, description="Longer Mooncake batch_query_keys URLs are split into concurrent requests."
+    )
+    kvs_query_disk_tier: bool = Field(
+        False, description="Also report blocks on Mooncake's disk tiers (local SSD, NVMe-oF, shared storage)."
+    )
 
     # --- gateway ---
     host: str = "127.0.0.1"
