@@ -1,0 +1,134 @@
+"""`kvgate mock-engine`: one simulated vLLM instance (OpenAI API, prefix cache, queue, metrics).
+
+It hashes prompts with the same settings flags (or `--config` file) as the gateway, so the blocks
+it publishes to the KV store are the keys the gateway looks up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import sys
+
+from kvgate.bench.loadgen import run_async
+from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.engine_model import ServiceProfile
+from kvgate.mock_engine.publishers import PUBLISH_BACKENDS, PublisherOptions, open_publisher
+from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, run_forever, start_mock_engine
+
+# The settings that shape the engine's keys and its tokenizer; the rest are gateway-only.
+_SETTINGS_FIELDS = (
+    "host",
+    "tokenizer",
+    "chat_template",
+    "tokenize_cache_size",
+    "hash_seed",
+    "kvs_hash_algo",
+    "kvs_chunk_size",
+    "kvs_key_format",
+    "kvs_model_name",
+    "kvs_iris_meta_prefix",
+    "kvs_vllm_block_prefix",
+    "kvs_redis_url",
+    "kvs_redis_key_prefix",
+)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "mock-engine",
+        help="run a simulated vLLM instance",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
+    add_settings_arguments(parser, only=_SETTINGS_FIELDS)
+    defaults = ServiceProfile()
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated text")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="real seconds per modelled GPU second (0.1: ten times faster than the GPU)")
+    parser.add_argument("--cache-capacity-blocks", type=int, default=0,
+                        help=f"KV cache size in blocks of --kvs-chunk-size tokens (0: "
+                             f"{defaults.cache_capacity_blocks * defaults.block_size} tokens, an 80 GB GPU)")
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
+                        help="chunked-prefill token budget of one step")
+    parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="longest prompt + max_tokens accepted (0: the KV capacity)")
+    parser.add_argument("--kvs-backend", choices=PUBLISH_BACKENDS, default="none",
+                        help="where to publish cached blocks (embedded only works in-process, e.g. kvgate demo)")
+    parser.add_argument("--kvs-local-ip", default="127.0.0.2",
+                        help="loopback IP this engine's Mooncake store client binds (its endpoint in the store)")
+    parser.add_argument("--mooncake-master", default="127.0.0.1:50051", help="Mooncake master RPC address")
+    parser.add_argument("--mooncake-metadata-url", default="http://127.0.0.1:8080/metadata",
+                        help="Mooncake HTTP metadata server URL")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the flags and configuration, print the result and exit")
+    parser.set_defaults(func=run)
+
+
+def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
+    cli_values = {name: getattr(args, name) for name in _SETTINGS_FIELDS if hasattr(args, name)}
+    settings = load_settings(cli_values, config_path=args.config)
+    try:
+        # By default the GPU keeps its capacity in tokens whatever the block size.
+        profile = ServiceProfile().with_block_size(settings.kvs_chunk_size)
+        profile = dataclasses.replace(
+            profile,
+            cache_capacity_blocks=args.cache_capacity_blocks or profile.cache_capacity_blocks,
+            max_batch_tokens=args.max_batch_tokens,
+            max_running_requests=args.max_running_requests,
+        )
+        return MockEngineConfig(model=args.model, seed=args.seed, time_scale=args.time_scale, profile=profile,
+                                max_model_len=args.max_model_len, settings=settings)
+    except ValueError as exc:
+        raise ConfigError(f"configuration error:\n  {exc}") from None
+
+
+def _publisher_options(args: argparse.Namespace, config: MockEngineConfig) -> PublisherOptions:
+    if args.kvs_backend == "embedded":
+        raise ConfigError("--kvs-backend embedded needs the gateway in the same process: use kvgate demo, "
+                          "or redis / mooncake for a stand-alone engine")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: must be in 0..65535")
+    return PublisherOptions(backend=args.kvs_backend, settings=config.settings, local_ip=args.kvs_local_ip,
+                            mooncake_master=args.mooncake_master,
+                            mooncake_metadata_url=args.mooncake_metadata_url)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = _engine_config(args)
+        options = _publisher_options(args, config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.check:
+        s = config.settings
+        print(f"mock-engine configuration OK: model {config.model}, {config.profile.cache_capacity_blocks} "
+              f"blocks of {config.profile.block_size} tokens, time scale {config.time_scale}, "
+              f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}")
+        return 0
+    with contextlib.suppress(KeyboardInterrupt):
+        run_async(lambda: _serve(args, config, options))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: PublisherOptions) -> None:
+    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+
+    s = config.settings
+    tokenizer = TokenizerService(
+        await asyncio.to_thread(load_tokenizer, s.tokenizer, s.chat_template), s.tokenize_cache_size
+    )
+    publisher = await open_publisher(options)
+    handle = await start_mock_engine(config, host=s.host, port=args.port, tokenizer=tokenizer,
+                                     publisher=publisher, name=f"mock-engine:{args.port}")
+    print(f"mock engine {config.model} serving on {handle.url} (publishing to {options.backend})", flush=True)
+    try:
+        await run_forever(handle)
+    finally:
+        tokenizer.close()

@@ -1,0 +1,66 @@
+"""The JSON bodies and SSE chunks a mock engine sends, shaped as vLLM's OpenAI server shapes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ResponseShape:
+    """Builds the bodies of one request: completion (`text`) or chat (`message` / `delta`)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, created: int) -> None:
+        self.chat = chat
+        self._head = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": model,
+        }
+        self._object_whole = "chat.completion" if chat else "text_completion"
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant role and empty content; completions have no opener."""
+        if not self.chat:
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def text_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None}
+        return self._chunk(choice)
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head, "choices": [], "usage": usage_body}
+
+    def whole(self, text: str, finish_reason: str, usage_body: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None}
+        return {**self._head, "object": self._object_whole, "choices": [choice], "usage": usage_body}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head, "choices": [choice]}

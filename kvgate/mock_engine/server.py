@@ -1,0 +1,261 @@
+"""The mock engine's HTTP face: an OpenAI-compatible server in front of an EngineLoop.
+
+Routes as a vLLM instance serves them: /v1/completions and /v1/chat/completions (streaming and
+not), /v1/models, /health and /metrics. A client that disconnects cancels its request in the
+engine (aiohttp cancels the handler; its `finally` frees the slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate.config.settings import Settings
+from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
+from kvgate.gateway.errors import APIError, error_middleware
+from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.mock_engine.block_keys import BlockKeyer
+from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
+from kvgate.mock_engine.generation import generated_words
+from kvgate.mock_engine.metrics import EngineMetrics
+from kvgate.mock_engine.openai_request import ParsedRequest, parse_chat, parse_completion
+from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
+from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "kvgate/mock-llm"
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MockEngineConfig:
+    """What makes one mock engine: its name, its GPU profile, its clock and its hashing."""
+
+    model: str = DEFAULT_MODEL
+    seed: int = 0
+    # Real seconds per modelled GPU second: 0.1 runs ten times faster than the modelled GPU.
+    time_scale: float = 1.0
+    profile: ServiceProfile = field(default_factory=ServiceProfile)
+    # Longest prompt + max_tokens accepted; 0 means the KV capacity.
+    max_model_len: int = 0
+    # Hash algorithm, chunk size (= block size), seed and key format: the gateway's, so keys match.
+    settings: Settings = field(default_factory=Settings)
+
+    def __post_init__(self) -> None:
+        if self.profile.block_size != self.settings.kvs_chunk_size:
+            raise ValueError(
+                f"the engine's block size ({self.profile.block_size}) must equal --kvs-chunk-size "
+                f"({self.settings.kvs_chunk_size}), or the gateway's keys never match the engine's blocks"
+            )
+        if self.time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+
+    @property
+    def context_limit(self) -> int:
+        return self.max_model_len or self.profile.cache_capacity_blocks * self.profile.block_size
+
+
+class MockEngine:
+    """One simulated vLLM instance: engine loop, tokenizer, key hashing, publication, metrics."""
+
+    def __init__(self, config: MockEngineConfig, tokenizer: TokenizerService | None,
+                 publisher: BlockPublisher | None, name: str = "mock-engine") -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._keyer = BlockKeyer(config.settings)
+        self.publication = PublicationQueue(publisher, name) if publisher is not None else None
+        on_change = self.publication.on_cache_change if self.publication is not None else None
+        self.core = EngineCore(config.profile, on_cache_change=on_change)
+        self.loop = EngineLoop(self.core, config.time_scale)
+        self.metrics = EngineMetrics(config.model, self.core.stats)
+        self._created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[error_middleware])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> None:
+        if self.publication is not None:
+            self.publication.start()
+        self.loop.start()
+
+    async def close(self) -> None:
+        await self.loop.close()
+        if self.publication is not None:
+            await self.publication.close()
+
+    # --- routes ---
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvgate",
+                "root": self.config.model, "max_model_len": self.config.context_limit}
+        return _json({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion, "cmpl-")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat, "chatcmpl-")
+
+    # --- one request ---
+
+    async def _serve(self, request: web.Request, parse: Callable[..., ParsedRequest],
+                     id_prefix: str) -> web.StreamResponse:
+        arrived = time.monotonic()
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        parsed = parse(body, self.config.model)
+        token_ids = await self._prompt_token_ids(parsed)
+        self._check_length(len(token_ids), parsed.max_tokens)
+        request_id = id_prefix + uuid.uuid4().hex
+        engine_request = EngineRequest(request_id, self._keyer.keys(token_ids), len(token_ids), parsed.max_tokens)
+        try:
+            stream = self.loop.submit(engine_request)
+        except ValueError as exc:  # the prompt can never fit this engine's KV cache
+            raise APIError(400, str(exc), param="prompt") from None
+        try:
+            shape = ResponseShape(parsed.chat, request_id, self.config.model, int(time.time()))
+            words = generated_words(self.config.seed, token_ids, parsed.max_tokens)
+            if parsed.stream:
+                return await self._stream(request, stream, shape, words, len(token_ids), parsed, arrived)
+            return await self._whole(stream, shape, words, len(token_ids), arrived)
+        finally:
+            # Finished requests are already gone; anything else (disconnect, error) frees the engine.
+            self.loop.cancel(request_id)
+
+    async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
+        if parsed.token_ids is not None:
+            return parsed.token_ids
+        if self._tokenizer is None:
+            raise APIError(400, "this engine was started without a tokenizer: send token ids as the prompt",
+                           param="prompt")
+        try:
+            if parsed.messages is not None:
+                return await self._tokenizer.encode_chat(list(parsed.messages))
+            return await self._tokenizer.encode_prompt(parsed.text or "")
+        except ValueError as exc:  # chat template errors: roles or content the template refuses
+            raise APIError(400, str(exc), param="messages" if parsed.chat else "prompt") from None
+
+    def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        limit = self.config.context_limit
+        if prompt_tokens + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+            )
+
+    async def _events(self, stream: RequestStream, arrived: float,
+                      on_tokens: Callable[[int, int, bool], Awaitable[None]]) -> int:
+        """Feed each event's new tokens to `on_tokens(start, count, finished)`; returns cached tokens."""
+        produced = 0
+        while True:
+            event = await stream.next_event()
+            if produced == 0:
+                self.metrics.observe_ttft(time.monotonic() - arrived)
+            await on_tokens(produced, event.num_tokens, event.finished)
+            produced += event.num_tokens
+            if event.finished:
+                return event.cached_tokens
+
+    async def _stream(self, request: web.Request, stream: RequestStream, shape: ResponseShape,
+                      words: list[str], prompt_tokens: int, parsed: ParsedRequest,
+                      arrived: float) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        opener = shape.first_chunk()
+        if opener is not None:
+            await response.write(sse(opener))
+
+        async def send(start: int, count: int, finished: bool) -> None:
+            text = "".join(words[start : start + count])
+            await response.write(sse(shape.text_chunk(text, "length" if finished else None)))
+
+        cached = await self._events(stream, arrived, send)
+        if parsed.include_usage:
+            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, len(words), cached))))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+    async def _whole(self, stream: RequestStream, shape: ResponseShape, words: list[str],
+                     prompt_tokens: int, arrived: float) -> web.Response:
+        async def ignore(start: int, count: int, finished: bool) -> None:
+            return None
+
+        cached = await self._events(stream, arrived, ignore)
+        return _json(shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached)))
+
+
+def _json(payload: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+@dataclass
+class MockEngineHandle:
+    url: str
+    engine: MockEngine
+    _runner: web.AppRunner
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+        await self.engine.close()
+
+
+async def start_mock_engine(
+    config: MockEngineConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tokenizer: TokenizerService | None = None,
+    publisher: BlockPublisher | None = None,
+    name: str = "mock-engine",
+) -> MockEngineHandle:
+    """Serve a mock engine on host:port (0 = a free port) in the running event loop."""
+    engine = MockEngine(config or MockEngineConfig(), tokenizer, publisher, name)
+    await engine.start()
+    # handler_cancellation: a client that goes away cancels its handler, hence its engine request.
+    runner = web.AppRunner(engine.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        await engine.close()
+        raise
+    bound_port = runner.addresses[0][1]
+    return MockEngineHandle(f"http://{host}:{bound_port}", engine, runner)
+
+
+async def run_forever(handle: MockEngineHandle) -> None:
+    """Serve until cancelled (Ctrl-C), then close."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await handle.close()
