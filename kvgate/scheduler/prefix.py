@@ -1,0 +1,88 @@
+"""Where the KV store says blocks live -> how many prompt tokens each instance already holds.
+
+The store names transport endpoints ("127.0.0.2:17901"), not instances. Each instance lists the
+endpoints that hold its cache (`kvs_endpoints`): a bare IP matches that host on any port (the
+port of a transfer engine is often chosen at run time), "IP:port" matches exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvgate.config.settings import InstanceConfig
+from kvgate.scheduler.hashing import BlockHash
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str | None]:
+    """ "IP:port" -> (IP, port); "IP" -> (IP, None). IPv6 needs brackets with a port ("[::1]:80")."""
+    host, sep, port = endpoint.rpartition(":")
+    if sep and port.isdigit() and (":" not in host or host.startswith("[")):
+        return host.strip("[]"), port
+    return endpoint.strip("[]"), None
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointMap:
+    """Store endpoints -> ids of the instances whose cache they hold."""
+
+    by_endpoint: Mapping[str, frozenset[str]]  # "IP:port" entries
+    by_host: Mapping[str, frozenset[str]]  # bare "IP" entries
+
+    @classmethod
+    def from_instances(cls, instances: Sequence[InstanceConfig]) -> EndpointMap:
+        by_endpoint: dict[str, set[str]] = {}
+        by_host: dict[str, set[str]] = {}
+        for instance in instances:
+            for entry in instance.kvs_endpoints:
+                host, port = split_endpoint(entry)
+                if port is None:
+                    by_host.setdefault(host, set()).add(instance.id)
+                else:
+                    by_endpoint.setdefault(f"{host}:{port}", set()).add(instance.id)
+        return cls(
+            {k: frozenset(v) for k, v in by_endpoint.items()},
+            {k: frozenset(v) for k, v in by_host.items()},
+        )
+
+    def instances_at(self, endpoint: str) -> frozenset[str]:
+        host, port = split_endpoint(endpoint)
+        exact = self.by_endpoint.get(f"{host}:{port}", frozenset()) if port else frozenset()
+        return exact | self.by_host.get(host, frozenset())
+
+
+def prefix_hit_tokens(
+    blocks: Sequence[BlockHash],
+    locations: Sequence[Collection[str]],
+    endpoint_map: EndpointMap,
+    num_prompt_tokens: int,
+) -> dict[str, int]:
+    """Tokens each instance holds contiguously from block 0 (instances with no hit are absent).
+
+    `locations[i]` are the endpoints holding block i. An instance's hit ends at its first missing
+    block: a later block it holds cannot be reused without the ones before it. A saved unfull block
+    counts its real length; the total is capped at the prompt length.
+    """
+    instances_of: dict[str, frozenset[str]] = {}  # each endpoint resolved once per request
+    holding: set[str] | None = None  # instances holding every block so far
+    hits: dict[str, int] = {}
+    covered = 0
+    for block, endpoints in zip(blocks, locations, strict=False):
+        here: set[str] = set()
+        for endpoint in endpoints:
+            if endpoint not in instances_of:
+                instances_of[endpoint] = endpoint_map.instances_at(endpoint)
+            here |= instances_of[endpoint]
+        if holding is None:
+            holding = here
+        else:
+            for instance in holding - here:
+                hits[instance] = covered
+            holding &= here
+        if not holding:
+            break
+        covered += block.num_tokens
+    for instance in holding or ():
+        hits[instance] = covered
+    capped = {instance: min(tokens, num_prompt_tokens) for instance, tokens in hits.items()}
+    return {instance: tokens for instance, tokens in capped.items() if tokens > 0}
