@@ -134,6 +134,9 @@ class Settings(BaseModel):
 
     # --- admission (Mooncake-style early rejection) ---
     ttft_slo_s: float = Field(0.0, ge=0, description="Refuse (429) requests predicted to miss this TTFT; 0 = off.")
+    prefill_tokens_per_s: float = Field(
+        20000.0, gt=0, description="One instance's prefill throughput, for the TTFT prediction of --ttft-slo-s."
+    )
 
     instances: tuple[InstanceConfig, ...] = ()
 
