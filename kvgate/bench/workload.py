@@ -119,6 +119,51 @@ def prompt_token_ids(record: TraceRecord, vocabulary: Vocabulary = DEFAULT_VOCAB
     return tuple(tokens[: record.input_length])
 
 
+@dataclass(frozen=True)
+class TextRendering:
+    """Prompts as text for endpoints that take only text (sglang-router refuses token-id prompts).
+
+    Each token becomes one word that the engines' tokenizer encodes as exactly one token, so a
+    rendered prompt has the trace's length, and a block ends in a newline, a boundary where the
+    tokenizer starts afresh: a block's text always encodes to the same ids, whatever came before,
+    so equal hash ids still mean an equal token prefix on the engine.
+    """
+
+    words: tuple[str, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> TextRendering:
+        """Lowercase words that are one token both alone and after a space, in vocabulary order."""
+        vocabulary = tokenizer.get_vocab()
+        words = []
+        for token in sorted(vocabulary, key=vocabulary.__getitem__):
+            word = tokenizer.convert_tokens_to_string([token])
+            if word.startswith(" ") and word[1:].isascii() and word[1:].isalpha() and word[1:].islower():
+                word = word[1:]
+                if all(len(tokenizer.encode(w, add_special_tokens=False)) == 1 for w in (word, " " + word)):
+                    words.append(word)
+        if len(words) < 256:
+            raise ValueError(f"the tokenizer has only {len(words)} single-token words; cannot render text")
+        return cls(tuple(words))
+
+    def block_pieces(self, hash_id: int) -> tuple[str, ...]:
+        """512 pieces, one per token: a bare word, 510 space-led words, a newline."""
+        return _block_pieces(hash_id, self.words)
+
+    def prompt(self, record: TraceRecord) -> str:
+        needed = -(-record.input_length // BLOCK_TOKENS)
+        pieces: list[str] = []
+        for hash_id in record.hash_ids[:needed]:
+            pieces.extend(self.block_pieces(hash_id))
+        return "".join(pieces[: record.input_length])
+
+
+@lru_cache(maxsize=65536)
+def _block_pieces(hash_id: int, words: tuple[str, ...]) -> tuple[str, ...]:
+    chosen = random.Random(hash_id).choices(words, k=BLOCK_TOKENS - 1)
+    return (chosen[0], *(" " + w for w in chosen[1:]), "\n")
+
+
 def build_requests(
     records: Iterable[TraceRecord],
     *,
