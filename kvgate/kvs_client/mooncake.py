@@ -1,0 +1,183 @@
+"""Ask the Mooncake master's admin HTTP server where blocks live.
+
+    GET http://{host}:{port}/batch_query_keys?keys=k1,k2,...
+
+The master URL-decodes the `keys` value and splits it on ",", then answers every key:
+
+    {"success": true, "data": {
+        "k1": {"ok": true, "values": [{"transport_endpoint_": "127.0.0.2:17901", ...}],
+               "disk_values": null, "local_disk_values": null, "nof_values": null, ...},
+        "k2": {"ok": false, "error": "OBJECT_NOT_FOUND", "values": null, ...}}}
+
+Unset fields are JSON null. `values` are memory replicas (the tier kvgate routes on); the lower
+tier is `local_disk_values[].transport_endpoint` (a host's SSD; note: no trailing underscore),
+`nof_values[].transport_endpoint_` (NVMe-oF) and `disk_values` (shared file storage, readable
+from every host, reported as SHARED_STORAGE).
+
+All keys of a lookup go in one request unless the URL would exceed `max_url_bytes`; longer
+lists are split into requests under that size, sent concurrently. Because the master splits
+on "," after decoding, a key containing "," cannot be asked at all: such keys are answered
+as held nowhere without asking (a warning is logged once).
+
+Anything but a well-formed success answer for every asked key raises KVSQueryError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+from yarl import URL
+
+from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, KVSAnswer, KVSQueryError
+
+log = logging.getLogger(__name__)
+
+QUERY_PATH = "/batch_query_keys"
+_KEYS_PREFIX = f"{QUERY_PATH}?keys="
+# A key the master would split in two.
+_UNASKABLE = ","
+
+
+class MooncakeMasterBackend:
+    name = "mooncake"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        request_timeout_s: float,
+        max_url_bytes: int = 131072,
+        include_disk_tier: bool = False,
+        max_connections: int = 64,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self.max_url_bytes = max_url_bytes
+        self.include_disk_tier = include_disk_tier
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._warned_unaskable = False
+
+    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+        askable = list(dict.fromkeys(key for key in keys if _UNASKABLE not in key))
+        if len(askable) < len(set(keys)) and not self._warned_unaskable:
+            self._warned_unaskable = True
+            log.warning("block keys containing %r cannot be asked of the Mooncake master; treated as absent",
+                        _UNASKABLE)
+        if not askable:
+            return KVSAnswer({}, {})
+        chunks = list(self._chunks(askable))
+        if len(chunks) == 1:
+            return await self._query_chunk(chunks[0])
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._query_chunk(chunk)) for chunk in chunks]
+        except* KVSQueryError as failures:
+            # The first failure says enough; the sibling requests were cancelled by the group.
+            raise failures.exceptions[0] from None
+        locations: dict[str, Endpoints] = {}
+        disk_locations: dict[str, Endpoints] = {}
+        for task in tasks:
+            answer = task.result()
+            locations.update(answer.locations)
+            disk_locations.update(answer.disk_locations)
+        return KVSAnswer(locations, disk_locations)
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def _chunks(self, keys: list[str]) -> Iterator[list[str]]:
+        """Group keys so each request URL stays under max_url_bytes (a lone huge key goes alone)."""
+        budget = self.max_url_bytes - len(self.base_url) - len(_KEYS_PREFIX)
+        chunk: list[str] = []
+        size = 0
+        for key in keys:
+            cost = len(quote(key, safe="")) + (1 if chunk else 0)
+            if chunk and size + cost > budget:
+                yield chunk
+                chunk, size, cost = [], 0, cost - 1
+            chunk.append(key)
+            size += cost
+        if chunk:
+            yield chunk
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                raise_for_status=False,
+            )
+        return self._session
+
+    async def _query_chunk(self, keys: list[str]) -> KVSAnswer:
+        # Every character quoted: the master decodes once, so "%", "+", "&" reach it intact.
+        url = URL(self.base_url + _KEYS_PREFIX + ",".join(quote(key, safe="") for key in keys), encoded=True)
+        try:
+            async with self._open_session().get(url) as response:
+                body = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: {type(exc).__name__}: {exc}") from exc
+        if status != 200:
+            raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: HTTP {status}: {body[:200]!r}")
+        try:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: invalid JSON: {exc}") from exc
+        return self._parse(document, keys)
+
+    def _parse(self, document: Any, keys: list[str]) -> KVSAnswer:
+        if not isinstance(document, dict) or document.get("success") is not True:
+            error = document.get("error") if isinstance(document, dict) else None
+            raise KVSQueryError(f"Mooncake master refused the query: {error or str(document)[:200]}")
+        data = document.get("data")
+        if not isinstance(data, dict):
+            raise KVSQueryError(f"Mooncake answer has no 'data' object: {str(document)[:200]}")
+        locations: dict[str, Endpoints] = {}
+        disk_locations: dict[str, Endpoints] = {}
+        for key in keys:
+            entry = data.get(key)
+            if not isinstance(entry, dict):
+                raise KVSQueryError(f"Mooncake answer lacks key {key!r} or it is not an object")
+            if entry.get("ok") is not True:
+                # OBJECT_NOT_FOUND, or a replica not ready yet: either way nothing to route on.
+                continue
+            memory = _endpoints(entry.get("values"), "transport_endpoint_", key)
+            if memory:
+                locations[key] = memory
+            if self.include_disk_tier:
+                disk = _disk_endpoints(entry, key)
+                if disk:
+                    disk_locations[key] = disk
+        return KVSAnswer(locations, disk_locations)
+
+
+def _endpoints(replicas: Any, field: str, key: str) -> Endpoints:
+    """Endpoints of a replica list (null = none), deduplicated in the master's order."""
+    if replicas is None:
+        return ()
+    if not isinstance(replicas, list):
+        raise KVSQueryError(f"Mooncake answer for {key!r}: replicas are not a list")
+    found: dict[str, None] = {}
+    for replica in replicas:
+        endpoint = replica.get(field) if isinstance(replica, dict) else None
+        if not isinstance(endpoint, str):
+            raise KVSQueryError(f"Mooncake answer for {key!r}: replica without a string {field}")
+        found[endpoint] = None
+    return tuple(found)
+
+
+def _disk_endpoints(entry: dict[str, Any], key: str) -> Endpoints:
+    local = _endpoints(entry.get("local_disk_values"), "transport_endpoint", key)
+    nof = _endpoints(entry.get("nof_values"), "transport_endpoint_", key)
+    shared = (SHARED_STORAGE,) if entry.get("disk_values") else ()
+    return tuple(dict.fromkeys(local + nof + shared))
