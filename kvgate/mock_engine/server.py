@@ -29,6 +29,7 @@ from kvgate.mock_engine.metrics import EngineMetrics
 from kvgate.mock_engine.openai_request import ParsedRequest, parse_chat, parse_completion
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
+from kvgate.scheduler.key_formats import make_key_format
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class MockEngineConfig:
             )
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
+        make_key_format(self.settings)  # raises ValueError naming a bad --kvs-key-format
 
     @property
     def context_limit(self) -> int:
