@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.config.settings import InstanceRole
@@ -17,6 +17,15 @@ class InstanceLoad:
     # Uncomputed prompt tokens queued for prefill there (engine-reported + dispatched, not yet seen).
     all_prefills_tokens_num: int = 0
     kv_cache_usage_ratio: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine reports about itself (its Prometheus gauges), before merging with the account."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage_ratio: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,5 +62,7 @@ class Decision:
 
     selected: str | None
     ranking: tuple[str, ...]
-    scores: tuple[InstanceScore, ...]
+    # One per candidate, in ranking order. A sequence rather than a tuple so the selector can build
+    # the entries only when read: most decisions read the winner's score alone.
+    scores: Sequence[InstanceScore]
     cache_aware: bool

@@ -1,0 +1,88 @@
+"""Scheduling metrics, Llumnix style: each has a name, a value per candidate and a direction.
+
+A metric computes a whole column (one value per candidate) at once: with 1024 instances a Python
+call per candidate and metric would cost more than the decision is allowed to take.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter
+
+from kvgate.scheduler.types import Candidate, RoutingRequest
+
+_ids = attrgetter("id")
+
+
+def hit_tokens_column(candidates: Sequence[Candidate], request: RoutingRequest) -> list[int]:
+    """prefix_hit_tokens of each candidate (0 for an instance without a hit)."""
+    return list(map(request.prefix_hit_tokens.get, map(_ids, candidates), repeat(0)))
+
+
+def prefix_miss_tokens(num_prompt_tokens: int, prefix_hit_tokens: int) -> int:
+    """Prompt tokens the instance must compute: the whole prompt where there is no hit.
+
+    (Llumnix gives instances without a hit a miss of 0, which makes them look like full hits.)
+    """
+    return max(0, num_prompt_tokens - prefix_hit_tokens)
+
+
+def miss_tokens_column(candidates: Sequence[Candidate], request: RoutingRequest) -> list[int]:
+    prompt = request.num_prompt_tokens
+    return [prefix_miss_tokens(prompt, hit) for hit in hit_tokens_column(candidates, request)]
+
+
+class SchedulingMetric(ABC):
+    name: str
+    less: bool = True  # lower values are better (Llumnix's `less`)
+
+    @abstractmethod
+    def values(self, candidates: Sequence[Candidate], request: RoutingRequest) -> list[float]:
+        """The metric of every candidate, in candidate order."""
+
+    def value(self, candidate: Candidate, request: RoutingRequest) -> float:
+        return self.values((candidate,), request)[0]
+
+
+class _LoadMetric(SchedulingMetric):
+    """A field of the candidate's InstanceLoad, read as is."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._read = attrgetter(f"load.{name}")
+
+    def values(self, candidates: Sequence[Candidate], request: RoutingRequest) -> list[float]:
+        return list(map(self._read, candidates))
+
+
+class KvCacheHitLen(SchedulingMetric):
+    name = "kv_cache_hit_len"
+    less = False
+
+    def values(self, candidates: Sequence[Candidate], request: RoutingRequest) -> list[float]:
+        return hit_tokens_column(candidates, request)
+
+
+class CacheAwareAllPrefillsTokensNum(SchedulingMetric):
+    """Tokens the instance must prefill before this request's first token: its queue plus our miss."""
+
+    name = "cache_aware_all_prefills_tokens_num"
+
+    def values(self, candidates: Sequence[Candidate], request: RoutingRequest) -> list[float]:
+        queued = map(attrgetter("load.all_prefills_tokens_num"), candidates)
+        return [miss + q for miss, q in zip(miss_tokens_column(candidates, request), queued, strict=True)]
+
+
+METRICS: dict[str, SchedulingMetric] = {
+    metric.name: metric
+    for metric in (
+        KvCacheHitLen(),
+        CacheAwareAllPrefillsTokensNum(),
+        _LoadMetric("all_prefills_tokens_num"),
+        _LoadMetric("num_requests"),
+        _LoadMetric("num_waiting_requests"),
+        _LoadMetric("kv_cache_usage_ratio"),
+    )
+}
