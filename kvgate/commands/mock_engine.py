@@ -33,6 +33,7 @@ _SETTINGS_FIELDS = (
     "kvs_vllm_block_prefix",
     "kvs_redis_url",
     "kvs_redis_key_prefix",
+    "kvs_redis_block_ttl_s",
 )
 
 

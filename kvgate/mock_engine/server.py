@@ -223,8 +223,13 @@ class MockEngineHandle:
     url: str
     engine: MockEngine
     _runner: web.AppRunner
+    _closed: bool = False
 
     async def close(self) -> None:
+        """Stop serving, then stop the engine and withdraw its blocks; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
         await self._runner.cleanup()
         await self.engine.close()
 
