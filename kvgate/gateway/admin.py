@@ -1,0 +1,88 @@
+"""Admin routes: add, drain and remove instances at run time, behind `Authorization: Bearer <token>`.
+
+With no --admin-token the routes answer 404, as if they did not exist: an open admin API on a
+gateway is worse than none. Drain stops new requests to an instance and lets in-flight ones
+finish; its answer reports what is still in flight so an operator knows when removal is safe.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import orjson
+from aiohttp import web
+from pydantic import ValidationError
+
+from kvgate.config.settings import InstanceConfig
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.protocol import json_response
+from kvgate.gateway.registry import InstanceState, RegistryError
+from kvgate.gateway.state import GATEWAY, Gateway
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/instances", _list)
+    app.router.add_post("/admin/instances", _add)
+    app.router.add_post("/admin/instances/{id}/drain", _drain)
+    app.router.add_delete("/admin/instances/{id}", _remove)
+
+
+def _authorized(request: web.Request) -> Gateway:
+    gateway = request.app[GATEWAY]
+    token = gateway.settings.admin_token
+    if not token:
+        raise APIError(404, "admin routes are disabled: start the gateway with --admin-token")
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not presented:
+        raise APIError(401, "admin routes need 'Authorization: Bearer <admin token>'")
+    if not hmac.compare_digest(presented.encode(), token.encode()):
+        raise APIError(403, "wrong admin token")
+    return gateway
+
+
+def _describe(gateway: Gateway, state: InstanceState) -> dict:
+    requests, prefill_tokens = gateway.account.inflight(state.id)
+    return {**state.describe(), "inflight_requests": requests, "inflight_prefill_tokens": prefill_tokens}
+
+
+async def _list(request: web.Request) -> web.Response:
+    gateway = _authorized(request)
+    return json_response({"instances": [_describe(gateway, s) for s in gateway.registry.states()]})
+
+
+async def _add(request: web.Request) -> web.Response:
+    gateway = _authorized(request)
+    try:
+        config = InstanceConfig.model_validate(orjson.loads(await request.read()))
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(400, f"invalid instance '{where}': {first['msg']}", param=where) from None
+    try:
+        state = gateway.registry.add(config)
+    except RegistryError as exc:
+        raise APIError(409, str(exc), code="instance_exists") from None
+    gateway.metrics.instance_healthy.labels(state.id).set(1)
+    return json_response(_describe(gateway, state), status=201)
+
+
+async def _drain(request: web.Request) -> web.Response:
+    gateway = _authorized(request)
+    try:
+        state = gateway.registry.drain(request.match_info["id"])
+    except RegistryError as exc:
+        raise APIError(404, str(exc), code="instance_not_found") from None
+    return json_response(_describe(gateway, state))
+
+
+async def _remove(request: web.Request) -> web.Response:
+    gateway = _authorized(request)
+    try:
+        state = gateway.registry.remove(request.match_info["id"])
+    except RegistryError as exc:
+        raise APIError(404, str(exc), code="instance_not_found") from None
+    # Requests already sent finish normally; their account entries still release.
+    gateway.metrics.instance_healthy.remove(state.id)
+    return json_response(_describe(gateway, state))

@@ -1,0 +1,161 @@
+"""The gateway's aiohttp application: wiring, lifecycle and the OpenAI routes.
+
+`build_app(settings)` loads the tokenizer (so a bad --tokenizer fails before serving) and returns
+an application whose parts that need a running loop (the pooled client session, background
+health checks, stats scraping and account expiry) start with it and stop with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvgate.config.settings import Settings
+from kvgate.gateway import admin, debug
+from kvgate.gateway.admission import check_admission
+from kvgate.gateway.background import every
+from kvgate.gateway.engine_stats import EngineStatsPoller
+from kvgate.gateway.errors import APIError, error_middleware
+from kvgate.gateway.forwarder import Forwarder
+from kvgate.gateway.health import HealthChecker
+from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.observe import REQUEST_ID, observe_middleware
+from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
+from kvgate.gateway.registry import InstanceRegistry
+from kvgate.gateway.routing import RoutePlanner
+from kvgate.gateway.state import GATEWAY, Gateway
+from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
+from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
+from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.router import Scheduler
+
+# How often stale dispatch entries are dropped from the account (its staleness is seconds).
+_EXPIRY_INTERVAL_S = 1.0
+
+
+
+
+def build_app(
+    settings: Settings,
+    *,
+    kvs_index: EmbeddedKVSIndex | None = None,
+    tokenizer: Any = None,
+) -> web.Application:
+    """The gateway application. `kvs_index` replaces the configured KV store by an in-process index;
+    `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos."""
+    prometheus = CollectorRegistry()
+    metrics = gateway_metrics(prometheus)
+    scheduler = Scheduler(settings, settings.instances)
+    registry = InstanceRegistry(settings.instances, on_change=scheduler.set_instances)
+    account = LoadAccount(settings.request_local_account_staleness_s)
+    tokenizer_service = TokenizerService(
+        tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
+        cache_size=settings.tokenize_cache_size,
+    )
+    store_metrics = kvs_metrics(prometheus)
+    kvs = (
+        ResilientKVSClient(kvs_index, settings, store_metrics)
+        if kvs_index is not None
+        else make_kvs_client(settings, metrics=store_metrics)
+    )
+    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
+    gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner)
+    for state in registry.states():
+        metrics.instance_healthy.labels(state.id).set(1)
+
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[observe_middleware(metrics), error_middleware],
+    )
+    app[GATEWAY] = gateway
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    debug.add_routes(app)
+    admin.add_routes(app)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    gateway = app[GATEWAY]
+    settings = gateway.settings
+    # One pooled session for every upstream call; no connection cap (engines queue, not us).
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    gateway.session = session
+    gateway.forwarder = Forwarder(session, settings, gateway.registry, gateway.tracker, gateway.metrics)
+    checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
+                            timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
+    poller = EngineStatsPoller(gateway.registry, session, gateway.account,
+                               timeout_s=min(settings.stats_poll_interval_s, settings.upstream_connect_timeout_s))
+
+    async def expire() -> None:
+        gateway.tracker.expire()
+
+    jobs: list[tuple[float, Callable[[], Awaitable[None]], str]] = [
+        (settings.health_check_interval_s, checker.check_all, "health checks"),
+        (settings.stats_poll_interval_s, poller.poll_all, "engine stats"),
+        (_EXPIRY_INTERVAL_S, expire, "account expiry"),
+    ]
+    tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.close()
+        await gateway.kvs.close()
+        gateway.tokenizer.close()
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_completion)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, parse_chat)
+
+
+async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    gateway = request.app[GATEWAY]
+    parsed = parse(await request.read())
+    plan = await gateway.planner.plan(parsed)
+    try:
+        check_admission(plan, gateway.settings.ttft_slo_s, gateway.settings.prefill_tokens_per_s)
+    except APIError:
+        gateway.metrics.admission_rejections.inc()
+        raise
+    assert gateway.forwarder is not None, "the application has not started"
+    return await gateway.forwarder.forward(request, parsed, plan, request[REQUEST_ID], arrived)
+
+
+async def _models(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    data = [{"id": model, "object": "model", "created": gateway.started, "owned_by": "kvgate"}
+            for model in gateway.registry.models()]
+    return json_response({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    # The gateway itself is alive; how many instances can take requests is reported, not judged.
+    states = request.app[GATEWAY].registry.states()
+    healthy = sum(1 for s in states if s.routable)
+    return json_response({"status": "ok", "instances": len(states), "routable_instances": healthy})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[GATEWAY].prometheus)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+

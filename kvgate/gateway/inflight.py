@@ -1,0 +1,61 @@
+"""The load account as the forwarder feeds it, with the Prometheus gauges kept equal to it.
+
+Every change goes through here so `kvgate_inflight_requests` and `kvgate_inflight_prefill_tokens`
+are always read back from the account itself, never counted on the side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.scheduler.account import LoadAccount
+
+
+class InflightTracker:
+    def __init__(
+        self, account: LoadAccount, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.account = account
+        self._metrics = metrics
+        self._clock = clock
+        self._instance_of: dict[str, str] = {}  # account key -> instance id
+        self._instances_seen: set[str] = set()
+
+    def dispatch(self, key: str, instance_id: str, uncomputed_tokens: int) -> None:
+        self.account.dispatch(key, instance_id, uncomputed_tokens, self._clock())
+        self._instance_of[key] = instance_id
+        self._instances_seen.add(instance_id)
+        self._sync(instance_id)
+
+    def first_token(self, key: str) -> None:
+        self.account.first_token(key, self._clock())
+        self._sync(self._instance_of.get(key))
+
+    def release(self, key: str) -> None:
+        """Idempotent: every exit path of a forward calls it, some paths twice."""
+        self.account.release(key)
+        self._sync(self._instance_of.pop(key, None))
+
+    def expire(self) -> None:
+        """Drop stale dispatch entries (the account's safety net) and refresh every gauge."""
+        self.account.expire(self._clock())
+        for instance_id in self._instances_seen:
+            self._sync(instance_id)
+
+    def totals(self) -> tuple[int, int]:
+        """(requests, prefill tokens) in flight over all instances, as the account holds them."""
+        requests = tokens = 0
+        for instance_id in self._instances_seen:
+            count, prefill = self.account.inflight(instance_id)
+            requests += count
+            tokens += prefill
+        return requests, tokens
+
+    def _sync(self, instance_id: str | None) -> None:
+        if instance_id is None:
+            return
+        requests, prefill_tokens = self.account.inflight(instance_id)
+        self._metrics.inflight_requests.labels(instance_id).set(requests)
+        self._metrics.inflight_prefill_tokens.labels(instance_id).set(prefill_tokens)

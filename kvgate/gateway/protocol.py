@@ -1,0 +1,124 @@
+"""The OpenAI request bodies the gateway reads, validated with pydantic.
+
+Only what routing needs is declared (model, prompt or messages, stream); every other field is
+allowed and forwarded untouched, because engines accept many extensions (vLLM sampling options,
+SGLang's extras) the gateway has no business filtering. Types are strict: "12" is not a token id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+
+from kvgate.gateway.errors import APIError
+
+# Every hash algorithm treats token ids as uint32.
+_TOKEN_ID_LIMIT = 2**32
+
+
+class _OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[StrictStr, Field(min_length=1)]
+    stream: StrictBool = False
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: Any
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt: Any) -> str | list[int]:
+        """A string or token ids; a batch of one is unwrapped, real batches refused (one decision each)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and all(type(t) is int and 0 <= t < _TOKEN_ID_LIMIT for t in prompt)
+        ):
+            if not prompt:
+                raise ValueError("must not be empty")
+            return prompt
+        raise ValueError("must be a string or a list of token ids (integers in 0..2**32-1)")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[StrictStr, Field(min_length=1)]
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_or_parts(cls, content: Any) -> Any:
+        if content is None or isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+            return content
+        raise ValueError("must be a string, a list of content parts, or null")
+
+
+class ChatBody(_OpenAIBody):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated request: the JSON to forward and what routing reads from it."""
+
+    chat: bool
+    model: str
+    stream: bool
+    body: dict[str, Any]
+    raw: bytes  # forwarded as is unless the gateway must change the body
+    # Exactly one of these is set: prompt text, prompt token ids, or chat messages (as sent).
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def parse_completion(raw: bytes) -> ParsedRequest:
+    body = _json_object(raw)
+    request = _validate(CompletionBody, body)
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return ParsedRequest(False, request.model, request.stream, body, raw, prompt_text=prompt)
+    return ParsedRequest(False, request.model, request.stream, body, raw, prompt_ids=prompt)
+
+
+def parse_chat(raw: bytes) -> ParsedRequest:
+    body = _json_object(raw)
+    request = _validate(ChatBody, body)
+    return ParsedRequest(True, request.model, request.stream, body, raw, messages=body["messages"])
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise APIError(400, "the request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        location = ".".join(str(part) for part in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"invalid '{location}': {message}", param=param) from None
+
+
+def json_response(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")

@@ -1,0 +1,129 @@
+"""One request's way to a decision: tokenize -> hash -> ask the KV store -> let the scheduler decide.
+
+The same plan serves the live path (then forwarded) and /debug/schedule (then only shown), so what
+the debug route reports is exactly what a real request would have done. Planning never changes
+the load account; the forwarder records the dispatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.protocol import ParsedRequest
+from kvgate.gateway.registry import InstanceRegistry
+from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
+from kvgate.kvs_client import ResilientKVSClient
+from kvgate.kvs_client.base import LookupStatus
+from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.hashing import BlockHash
+from kvgate.scheduler.router import Scheduler
+from kvgate.scheduler.types import Candidate, Decision, InstanceScore
+
+# Hashing more tokens than this moves to the executor (sha256 over ~100K tokens takes milliseconds).
+_INLINE_HASH_TOKENS = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    prompt_ids: list[int]
+    block_keys: list[str]
+    kvs_status: LookupStatus
+    kvs_elapsed_s: float
+    candidates: tuple[Candidate, ...]
+    decision: Decision
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def score(self, instance_id: str) -> InstanceScore | None:
+        return next((s for s in self.decision.scores if s.id == instance_id), None)
+
+    def miss_tokens(self, instance_id: str) -> int:
+        """Prompt tokens the instance must compute (the whole prompt when it holds nothing)."""
+        score = self.score(instance_id)
+        return score.prefix_miss_tokens if score is not None else self.num_prompt_tokens
+
+    def queued_prefill_tokens(self, instance_id: str) -> int:
+        candidate = next((c for c in self.candidates if c.id == instance_id), None)
+        return candidate.load.all_prefills_tokens_num if candidate is not None else 0
+
+
+class RoutePlanner:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kvs: ResilientKVSClient,
+        tokenizer: TokenizerService,
+        registry: InstanceRegistry,
+        account: LoadAccount,
+        metrics: GatewayMetrics,
+        executor: Executor | None = None,
+    ) -> None:
+        self._scheduler = scheduler
+        self._kvs = kvs
+        self._tokenizer = tokenizer
+        self._registry = registry
+        self._account = account
+        self._metrics = metrics
+        self._executor = executor
+
+    async def plan(self, request: ParsedRequest) -> RoutePlan:
+        if not self._registry.serves(request.model):
+            raise APIError(404, f"the model '{request.model}' does not exist; see GET /v1/models",
+                           param="model", code="model_not_found")
+        prompt_ids = await self._timed("tokenize", self._prompt_ids(request))
+
+        started = time.perf_counter()
+        blocks = await self._block_hashes(prompt_ids)
+        keys = self._scheduler.block_keys(blocks)
+        locations: Sequence[Sequence[str]] | None = None
+        kvs_status: LookupStatus = "skipped"
+        kvs_elapsed = 0.0
+        if keys and self._scheduler.wants_kvs(len(prompt_ids)):
+            lookup = await self._kvs.lookup(keys)
+            kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
+            if lookup.status == "ok":
+                locations = lookup.locations
+            self._metrics.stage_seconds.labels("kvs").observe(kvs_elapsed)
+
+        # Candidates are read after the lookup's await so the loads are as fresh as possible.
+        candidates = tuple(
+            Candidate(state.id, state.config.role, self._account.load(state.id))
+            for state in self._registry.routable(request.model)
+        )
+        if not candidates:
+            raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
+        decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates)
+        schedule_s = time.perf_counter() - started - kvs_elapsed
+        self._metrics.stage_seconds.labels("schedule").observe(max(schedule_s, 0.0))
+        return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
+
+    async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+        if request.prompt_ids is not None:
+            return request.prompt_ids
+        try:
+            if request.messages is not None:
+                return await self._tokenizer.encode_chat(request.messages)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "")
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+    async def _block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
+        if len(prompt_ids) <= _INLINE_HASH_TOKENS:
+            return self._scheduler.block_hashes(prompt_ids)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._scheduler.block_hashes, prompt_ids)
+
+    async def _timed(self, stage: str, awaitable):
+        started = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            self._metrics.stage_seconds.labels(stage).observe(time.perf_counter() - started)

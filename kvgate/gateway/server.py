@@ -1,0 +1,73 @@
+"""Run the gateway: in the caller's event loop (`start_gateway`, for the demo, benchmarks and
+tests) or as the process's main loop (`run_gateway`, for `kvgate serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvgate.config.settings import Settings
+from kvgate.gateway.app import build_app
+from kvgate.kvs_client import EmbeddedKVSIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayHandle:
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_gateway(
+    settings: Settings, *, kvs_index: EmbeddedKVSIndex | None = None, tokenizer: Any = None
+) -> GatewayHandle:
+    """Serve a gateway on settings.host:settings.port (port 0 picks a free one; see handle.url)."""
+    app = build_app(settings, kvs_index=kvs_index, tokenizer=tokenizer)
+    # Handler cancellation: a client hang-up cancels its handler, which closes the upstream call.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    host, port = runner.addresses[0][:2]
+    return GatewayHandle(f"http://{host}:{port}", app, runner)
+
+
+def run_gateway(settings: Settings) -> int:
+    """Serve until SIGINT/SIGTERM; uvloop when installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_serve_forever(settings))
+    return uvloop.run(_serve_forever(settings))
+
+
+async def _serve_forever(settings: Settings) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    handle = await start_gateway(settings)
+    log.info("kvgate gateway listening on %s with %d instance(s), policy %s",
+             handle.url, len(settings.instances), settings.effective_policy.value)
+    print(f"kvgate gateway listening on {handle.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await handle.close()
+    return 0

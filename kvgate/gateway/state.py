@@ -1,0 +1,44 @@
+"""What one running gateway holds; handlers reach it through `request.app[GATEWAY]`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvgate.config.settings import Settings
+from kvgate.gateway.forwarder import Forwarder
+from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.registry import InstanceRegistry
+from kvgate.gateway.routing import RoutePlanner
+from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.kvs_client import ResilientKVSClient
+from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.router import Scheduler
+
+
+@dataclass
+class Gateway:
+    """Everything one running gateway holds, built by `build_app`."""
+
+    settings: Settings
+    prometheus: CollectorRegistry
+    metrics: GatewayMetrics
+    registry: InstanceRegistry
+    scheduler: Scheduler
+    account: LoadAccount
+    tracker: InflightTracker
+    tokenizer: TokenizerService
+    kvs: ResilientKVSClient
+    planner: RoutePlanner
+    started: int = field(default_factory=lambda: int(time.time()))
+    # Set when the application starts (they need the running loop's client session).
+    forwarder: Forwarder | None = None
+    session: aiohttp.ClientSession | None = None
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
