@@ -20,6 +20,7 @@ reader, so their clocks must agree to well within the ttl (NTP).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -29,6 +30,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvgate.kvs_client.base import Endpoints, KVSAnswer, KVSQueryError
+
+log = logging.getLogger(__name__)
 
 
 def _connect(url: str, timeout_s: float) -> redis.Redis:
@@ -115,4 +118,14 @@ class RedisBlockPublisher:
         await self.withdraw(list(self._published))
 
     async def close(self) -> None:
-        await self._client.aclose()
+        """Withdraw every claim (an engine that stops holds nothing), then disconnect.
+
+        If Redis is unreachable the claims are left to expire after the ttl.
+        """
+        try:
+            await self.withdraw_all()
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("Redis index: could not withdraw %d claims of %s (they expire in %.0fs): %s",
+                        len(self._published), self.endpoint, self.ttl_ms / 1000, exc)
+        finally:
+            await self._client.aclose()
