@@ -46,7 +46,7 @@ async def _stream_ttft(session: aiohttp.ClientSession, url: str, body: dict) -> 
     started = time.monotonic()
     ttft = None
     usage: dict = {}
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, **body, "stream": True, "stream_options": {"include_usage": True}}
     async with session.post(url + "/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
@@ -66,7 +66,9 @@ async def test_repeated_prefix_hits_the_cache_and_answers_sooner(engine_factory)
     prompt = _prompt(6000, seed=1)
     async with aiohttp.ClientSession() as session:
         cold_ttft, cold = await _stream_ttft(session, engine.url, {"prompt": prompt, "max_tokens": 2})
-        warm_ttft, warm = await _stream_ttft(session, engine.url, {"prompt": prompt + [7, 8, 9], "max_tokens": 2})
+        warm_ttft, warm = await _stream_ttft(
+            session, engine.url, {"prompt": prompt + [7, 8, 9], "max_tokens": 2}
+        )
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0
     # All 23 full 256-token blocks of the shared 6000 tokens are reused.
     assert warm["prompt_tokens_details"]["cached_tokens"] == 23 * 256
@@ -156,19 +158,28 @@ async def test_client_disconnect_frees_the_engine(engine_factory):
     core, loop = engine.engine.core, engine.engine.loop
     async with aiohttp.ClientSession() as session:
         # A streaming request that would decode for minutes, dropped after its first chunk.
-        response = await session.post(engine.url + "/v1/completions",
-                                      json={"prompt": _prompt(1000, 6), "max_tokens": 100000, "stream": True})
+        response = await session.post(
+            engine.url + "/v1/completions",
+            json={"model": MODEL, "prompt": _prompt(1000, 6), "max_tokens": 100000, "stream": True},
+        )
         await response.content.readline()
         assert core.stats().num_running == 1
         response.close()
         assert await _until(lambda: not core.has_work() and loop.num_open_requests == 0)
 
         # A non-streaming request sharing the batch with a ~2 s prefill, abandoned by its client.
-        blocker = asyncio.create_task(session.post(
-            engine.url + "/v1/completions", json={"prompt": _prompt(30000, 7), "max_tokens": 1}))
+        blocker = asyncio.create_task(
+            session.post(
+                engine.url + "/v1/completions",
+                json={"model": MODEL, "prompt": _prompt(30000, 7), "max_tokens": 1},
+            )
+        )
         with pytest.raises(TimeoutError):
-            await session.post(engine.url + "/v1/completions", json={"prompt": _prompt(20000, 8), "max_tokens": 1},
-                               timeout=aiohttp.ClientTimeout(total=0.3))
+            await session.post(
+                engine.url + "/v1/completions",
+                json={"model": MODEL, "prompt": _prompt(20000, 8), "max_tokens": 1},
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
         assert await _until(lambda: core.stats().num_running == 1 and loop.num_open_requests == 1)
         # Its prefill left the batch: only the other prompt's remainder is still to compute.
         assert not blocker.done() and core.uncomputed_prefill_tokens() < 30000
@@ -184,14 +195,14 @@ async def test_metrics_use_vllm_names(engine_factory):
     prompt = _prompt(1100, seed=9)
     async with aiohttp.ClientSession() as session:
         for _ in range(2):
-            async with session.post(engine.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}) as r:
+            async with session.post(
+                engine.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            ) as r:
                 assert r.status == 200
         async with session.get(engine.url + "/metrics") as response:
             text = await response.text()
     samples = {
-        sample.name: sample
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        sample.name: sample for family in text_string_to_metric_families(text) for sample in family.samples
     }
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert samples[name].value == 0
@@ -206,22 +217,26 @@ async def test_metrics_use_vllm_names(engine_factory):
     [
         (b"{not json", 400, None),
         (b"[1, 2]", 400, None),
-        (b'{"prompt": []}', 400, "prompt"),
-        (b'{"prompt": ""}', 400, "prompt"),
-        (b'{"prompt": [1, -2]}', 400, "prompt"),
-        (b'{"prompt": ["a", "b"]}', 400, "prompt"),
-        (b'{"prompt": [1, 2], "max_tokens": 0}', 400, "max_tokens"),
-        (b'{"prompt": [1, 2], "max_tokens": "3"}', 400, "max_tokens"),
-        (b'{"prompt": [1, 2], "stream": "yes"}', 400, "stream"),
-        (b'{"prompt": [1, 2], "n": 2}', 400, "n"),
-        (b'{"prompt": [1, 2], "model": "other"}', 404, "model"),
-        (b'{"prompt": [1, 2], "max_tokens": 1000000}', 400, "max_tokens"),
-        (b'{"prompt": "text needs a tokenizer"}', 400, "prompt"),
+        (b'{"prompt": [1, 2]}', 400, "model"),
+        (b'{"model": "kvgate/mock-llm", "prompt": []}', 400, "prompt"),
+        (b'{"model": "kvgate/mock-llm", "prompt": ""}', 400, "prompt"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, -2]}', 400, "prompt"),
+        (b'{"model": "kvgate/mock-llm", "prompt": ["a", "b"]}', 400, "prompt"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": "3"}', 400, "max_tokens"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "stream": "yes"}', 400, "stream"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "n": 2}', 400, "n"),
+        (b'{"model": "other", "prompt": [1, 2]}', 404, "model"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": 1000000}', 400, "max_tokens"),
+        (b'{"model": "kvgate/mock-llm", "prompt": "text needs a tokenizer"}', 400, "prompt"),
     ],
 )
 async def test_bad_completion_requests_get_openai_errors(engine_factory, body, status, param):
     engine = await engine_factory(time_scale=0.0)
-    async with aiohttp.ClientSession() as session, session.post(engine.url + "/v1/completions", data=body) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(engine.url + "/v1/completions", data=body) as response,
+    ):
         assert response.status == status
         error = (await response.json())["error"]
     assert error["param"] == param and error["message"] and error["type"]
@@ -231,10 +246,14 @@ async def test_bad_completion_requests_get_openai_errors(engine_factory, body, s
 async def test_bad_chat_requests_and_unknown_routes(engine_factory):
     engine = await engine_factory(time_scale=0.0)
     async with aiohttp.ClientSession() as session:
-        async with session.post(engine.url + "/v1/chat/completions", json={"messages": []}) as response:
+        async with session.post(
+            engine.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}
+        ) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "messages"
-        async with session.post(engine.url + "/v1/chat/completions", json={"messages": [{"content": "x"}]}) as r:
+        async with session.post(
+            engine.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "x"}]}
+        ) as r:
             assert r.status == 400
         # Peer routers probe these; a 404 in OpenAI shape is the right answer.
         for path in ("/server_info", "/model_info"):
@@ -246,14 +265,24 @@ async def test_bad_chat_requests_and_unknown_routes(engine_factory):
 
 
 async def test_unknown_fields_are_ignored_and_tiny_caches_refuse_huge_prompts(engine_factory):
-    engine = await engine_factory(time_scale=0.0, profile=ServiceProfile(cache_capacity_blocks=8),
-                                  settings=Settings())
+    engine = await engine_factory(
+        time_scale=0.0, profile=ServiceProfile(cache_capacity_blocks=8), settings=Settings()
+    )
     async with aiohttp.ClientSession() as session:
-        body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "return_text_in_logprobs": True,
-                "rid": "x", "priority": 3}
+        body = {
+            "model": MODEL,
+            "prompt": [1, 2, 3],
+            "max_tokens": 2,
+            "temperature": 0,
+            "return_text_in_logprobs": True,
+            "rid": "x",
+            "priority": 3,
+        }
         async with session.post(engine.url + "/v1/completions", json=body) as response:
             assert response.status == 200
-        async with session.post(engine.url + "/v1/completions", json={"prompt": _prompt(9 * 256, 1)}) as response:
+        async with session.post(
+            engine.url + "/v1/completions", json={"model": MODEL, "prompt": _prompt(9 * 256, 1)}
+        ) as response:
             assert response.status == 400
             assert "context length" in (await response.json())["error"]["message"]
 

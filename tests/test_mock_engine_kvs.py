@@ -36,8 +36,11 @@ def _gateway_keys(settings: Settings, token_ids: list[int]) -> list[str]:
 
 
 async def _complete(url: str, prompt: list[int]) -> None:
-    body = {"prompt": prompt, "max_tokens": 1}
-    async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body) as response:
+    body = {"model": "kvgate/mock-llm", "prompt": prompt, "max_tokens": 1}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body) as response,
+    ):
         assert response.status == 200, await response.text()
 
 
@@ -51,7 +54,10 @@ async def _engine(settings: Settings, options: PublisherOptions, embedded_index=
 async def _master_endpoints(admin_url: str, keys: list[str]) -> dict[str, list[str]]:
     """key -> transport endpoints the real master reports (empty when not found)."""
     url = admin_url + "/batch_query_keys"
-    async with aiohttp.ClientSession() as session, session.get(url, params={"keys": ",".join(keys)}) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(url, params={"keys": ",".join(keys)}) as response,
+    ):
         assert response.status == 200
         data = (await response.json(content_type=None))["data"]
     return {key: [v["transport_endpoint_"] for v in (data[key]["values"] or [])] for key in keys}
@@ -60,9 +66,13 @@ async def _master_endpoints(admin_url: str, keys: list[str]) -> dict[str, list[s
 @pytest.mark.mooncake
 async def test_blocks_appear_at_the_engines_ip_in_the_mooncake_master(mooncake_master):
     settings = Settings(kvs_backend="mooncake")
-    options = PublisherOptions("mooncake", settings, local_ip="127.0.0.2",
-                               mooncake_master=mooncake_master.rpc_address,
-                               mooncake_metadata_url=mooncake_master.metadata_url)
+    options = PublisherOptions(
+        "mooncake",
+        settings,
+        local_ip="127.0.0.2",
+        mooncake_master=mooncake_master.rpc_address,
+        mooncake_metadata_url=mooncake_master.metadata_url,
+    )
     engine = await _engine(settings, options)
     first, second = _prompt(16, seed=1), _prompt(16, seed=2)
     first_keys, second_keys = _gateway_keys(settings, first), _gateway_keys(settings, second)
@@ -70,7 +80,9 @@ async def test_blocks_appear_at_the_engines_ip_in_the_mooncake_master(mooncake_m
         await _complete(engine.url, first)
         await engine.engine.publication.flushed()
         held = await _master_endpoints(mooncake_master.admin_url, first_keys)
-        assert all(len(endpoints) == 1 and endpoints[0].startswith("127.0.0.2:") for endpoints in held.values())
+        assert all(
+            len(endpoints) == 1 and endpoints[0].startswith("127.0.0.2:") for endpoints in held.values()
+        )
 
         await _complete(engine.url, second)
         await engine.engine.publication.flushed()

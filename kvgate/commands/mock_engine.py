@@ -49,25 +49,52 @@ def add_parser(subparsers) -> None:
     defaults = ServiceProfile()
     parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated text")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="real seconds per modelled GPU second (0.1: ten times faster than the GPU)")
-    parser.add_argument("--cache-capacity-blocks", type=int, default=0,
-                        help=f"KV cache size in blocks of --kvs-chunk-size tokens (0: "
-                             f"{defaults.cache_capacity_blocks * defaults.block_size} tokens, an 80 GB GPU)")
-    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
-                        help="chunked-prefill token budget of one step")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="real seconds per modelled GPU second (0.1: ten times faster than the GPU)",
+    )
+    parser.add_argument(
+        "--cache-capacity-blocks",
+        type=int,
+        default=0,
+        help=f"KV cache size in blocks of --kvs-chunk-size tokens (0: "
+        f"{defaults.cache_capacity_blocks * defaults.block_size} tokens, an 80 GB GPU)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="chunked-prefill token budget of one step",
+    )
     parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
-    parser.add_argument("--max-model-len", type=int, default=0,
-                        help="longest prompt + max_tokens accepted (0: the KV capacity)")
-    parser.add_argument("--kvs-backend", choices=PUBLISH_BACKENDS, default="none",
-                        help="where to publish cached blocks (embedded only works in-process, e.g. kvgate demo)")
-    parser.add_argument("--kvs-local-ip", default="127.0.0.2",
-                        help="loopback IP this engine's Mooncake store client binds (its endpoint in the store)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="longest prompt + max_tokens accepted (0: the KV capacity)",
+    )
+    parser.add_argument(
+        "--kvs-backend",
+        choices=PUBLISH_BACKENDS,
+        default="none",
+        help="where to publish cached blocks (embedded only works in-process, e.g. kvgate demo)",
+    )
+    parser.add_argument(
+        "--kvs-local-ip",
+        default="127.0.0.2",
+        help="loopback IP this engine's Mooncake store client binds (its endpoint in the store)",
+    )
     parser.add_argument("--mooncake-master", default="127.0.0.1:50051", help="Mooncake master RPC address")
-    parser.add_argument("--mooncake-metadata-url", default="http://127.0.0.1:8080/metadata",
-                        help="Mooncake HTTP metadata server URL")
-    parser.add_argument("--check", action="store_true",
-                        help="validate the flags and configuration, print the result and exit")
+    parser.add_argument(
+        "--mooncake-metadata-url",
+        default="http://127.0.0.1:8080/metadata",
+        help="Mooncake HTTP metadata server URL",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="validate the flags and configuration, print the result and exit"
+    )
     parser.set_defaults(func=run)
 
 
@@ -83,21 +110,33 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
             max_batch_tokens=args.max_batch_tokens,
             max_running_requests=args.max_running_requests,
         )
-        return MockEngineConfig(model=args.model, seed=args.seed, time_scale=args.time_scale, profile=profile,
-                                max_model_len=args.max_model_len, settings=settings)
+        return MockEngineConfig(
+            model=args.model,
+            seed=args.seed,
+            time_scale=args.time_scale,
+            profile=profile,
+            max_model_len=args.max_model_len,
+            settings=settings,
+        )
     except ValueError as exc:
         raise ConfigError(f"configuration error:\n  {exc}") from None
 
 
 def _publisher_options(args: argparse.Namespace, config: MockEngineConfig) -> PublisherOptions:
     if args.kvs_backend == "embedded":
-        raise ConfigError("--kvs-backend embedded needs the gateway in the same process: use kvgate demo, "
-                          "or redis / mooncake for a stand-alone engine")
+        raise ConfigError(
+            "--kvs-backend embedded needs the gateway in the same process: use kvgate demo, "
+            "or redis / mooncake for a stand-alone engine"
+        )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be in 0..65535")
-    return PublisherOptions(backend=args.kvs_backend, settings=config.settings, local_ip=args.kvs_local_ip,
-                            mooncake_master=args.mooncake_master,
-                            mooncake_metadata_url=args.mooncake_metadata_url)
+    return PublisherOptions(
+        backend=args.kvs_backend,
+        settings=config.settings,
+        local_ip=args.kvs_local_ip,
+        mooncake_master=args.mooncake_master,
+        mooncake_metadata_url=args.mooncake_metadata_url,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,9 +148,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         s = config.settings
-        print(f"mock-engine configuration OK: model {config.model}, {config.profile.cache_capacity_blocks} "
-              f"blocks of {config.profile.block_size} tokens, time scale {config.time_scale}, "
-              f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}")
+        print(
+            f"mock-engine configuration OK: model {config.model}, {config.profile.cache_capacity_blocks} "
+            f"blocks of {config.profile.block_size} tokens, time scale {config.time_scale}, "
+            f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}"
+        )
         return 0
     with contextlib.suppress(KeyboardInterrupt):
         run_async(lambda: _serve(args, config, options))
@@ -126,8 +167,14 @@ async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: Pu
         await asyncio.to_thread(load_tokenizer, s.tokenizer, s.chat_template), s.tokenize_cache_size
     )
     publisher = await open_publisher(options)
-    handle = await start_mock_engine(config, host=s.host, port=args.port, tokenizer=tokenizer,
-                                     publisher=publisher, name=f"mock-engine:{args.port}")
+    handle = await start_mock_engine(
+        config,
+        host=s.host,
+        port=args.port,
+        tokenizer=tokenizer,
+        publisher=publisher,
+        name=f"mock-engine:{args.port}",
+    )
     print(f"mock engine {config.model} serving on {handle.url} (publishing to {options.backend})", flush=True)
     try:
         await run_forever(handle)

@@ -20,6 +20,7 @@ class BlockKeyer:
 
     def keys(self, token_ids: Sequence[int]) -> tuple[str, ...]:
         s = self._settings
-        blocks = hash_blocks(s.kvs_hash_algo, token_ids, s.kvs_chunk_size, save_unfull_chunk=False,
-                             seed=s.hash_seed)
+        blocks = hash_blocks(
+            s.kvs_hash_algo, token_ids, s.kvs_chunk_size, save_unfull_chunk=False, seed=s.hash_seed
+        )
         return tuple(self._format.keys(blocks))

@@ -15,8 +15,30 @@ from prometheus_client.registry import Collector
 from kvgate.engine_model import EngineStats
 
 # vLLM's own TTFT buckets (seconds).
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -28,19 +50,33 @@ class _EngineStatsCollector(Collector):
         stats = self._stats()
         label = [self._model_name]
         gauges = (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                stats.num_running,
+            ),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage_ratio),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                stats.kv_cache_usage_ratio,
+            ),
         )
         for name, documentation, value in gauges:
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(label, value)
             yield family
         counters = (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             stats.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             stats.prefix_cache_hits),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                stats.prefix_cache_hits,
+            ),
         )
         for name, documentation, value in counters:
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
@@ -55,8 +91,11 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(model_name, stats))
         self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
         ).labels(model_name)
 
     def observe_ttft(self, seconds: float) -> None:

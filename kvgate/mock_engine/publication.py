@@ -73,8 +73,13 @@ class PublicationQueue:
                 await self._publisher.publish(added)
         except Exception as exc:  # the index is advice: log and carry on with the next batch
             self.failed_batches += 1
-            logger.warning("%s: publishing %d and withdrawing %d block keys failed: %s",
-                           self._name, len(added), len(removed), exc)
+            logger.warning(
+                "%s: publishing %d and withdrawing %d block keys failed: %s",
+                self._name,
+                len(added),
+                len(removed),
+                exc,
+            )
 
     async def close(self) -> None:
         """Send what is pending, stop the task, close the publisher (which withdraws its blocks)."""

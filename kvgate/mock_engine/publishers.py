@@ -131,13 +131,16 @@ async def open_publisher(
         return EmbeddedBlockPublisher(embedded_index, options.local_ip)
     if options.backend == "redis":
         s = options.settings
-        publisher = RedisBlockPublisher(s.kvs_redis_url, s.kvs_redis_key_prefix, options.local_ip,
-                                        ttl_s=s.kvs_redis_block_ttl_s)
+        publisher = RedisBlockPublisher(
+            s.kvs_redis_url, s.kvs_redis_key_prefix, options.local_ip, ttl_s=s.kvs_redis_block_ttl_s
+        )
         return RefreshingRedisPublisher(publisher, s.kvs_redis_block_ttl_s)
     if options.backend == "mooncake":
         from kvgate.kvs_client.mooncake_store_publisher import MooncakeStorePublisher
 
-        store = MooncakeStorePublisher(options.local_ip, options.mooncake_master, options.mooncake_metadata_url)
+        store = MooncakeStorePublisher(
+            options.local_ip, options.mooncake_master, options.mooncake_metadata_url
+        )
         try:
             await store.aopen()
         except BaseException:

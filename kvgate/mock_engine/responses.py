@@ -39,15 +39,31 @@ class ResponseShape:
         """Chat streams open with the assistant role and empty content; completions have no opener."""
         if not self.chat:
             return None
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
+        return self._chunk(
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
 
     def text_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
         return self._chunk(choice)
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
@@ -55,11 +71,20 @@ class ResponseShape:
 
     def whole(self, text: str, finish_reason: str, usage_body: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
         return {**self._head, "object": self._object_whole, "choices": [choice], "usage": usage_body}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:

@@ -14,19 +14,19 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
 from kvgate.gateway.errors import APIError, error_middleware
+from kvgate.gateway.protocol import json_response
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_words
 from kvgate.mock_engine.metrics import EngineMetrics
-from kvgate.mock_engine.openai_request import ParsedRequest, parse_chat, parse_completion
+from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
 from kvgate.scheduler.key_formats import make_key_format
@@ -69,8 +69,13 @@ class MockEngineConfig:
 class MockEngine:
     """One simulated vLLM instance: engine loop, tokenizer, key hashing, publication, metrics."""
 
-    def __init__(self, config: MockEngineConfig, tokenizer: TokenizerService | None,
-                 publisher: BlockPublisher | None, name: str = "mock-engine") -> None:
+    def __init__(
+        self,
+        config: MockEngineConfig,
+        tokenizer: TokenizerService | None,
+        publisher: BlockPublisher | None,
+        name: str = "mock-engine",
+    ) -> None:
         self.config = config
         self._tokenizer = tokenizer
         self._keyer = BlockKeyer(config.settings)
@@ -106,58 +111,64 @@ class MockEngine:
         return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "kvgate",
-                "root": self.config.model, "max_model_len": self.config.context_limit}
-        return _json({"object": "list", "data": [card]})
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "kvgate",
+            "root": self.config.model,
+            "max_model_len": self.config.context_limit,
+        }
+        return json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_completion, "cmpl-")
+        return await self._serve(request, chat=False)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, parse_chat, "chatcmpl-")
+        return await self._serve(request, chat=True)
 
     # --- one request ---
 
-    async def _serve(self, request: web.Request, parse: Callable[..., ParsedRequest],
-                     id_prefix: str) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        parsed = parse(body, self.config.model)
-        token_ids = await self._prompt_token_ids(parsed)
-        self._check_length(len(token_ids), parsed.max_tokens)
-        request_id = id_prefix + uuid.uuid4().hex
-        engine_request = EngineRequest(request_id, self._keyer.keys(token_ids), len(token_ids), parsed.max_tokens)
+        generation = parse_generation(await request.read(), chat, self.config.model)
+        token_ids = await self._prompt_token_ids(generation)
+        max_tokens = generation.max_tokens
+        self._check_length(len(token_ids), max_tokens)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        engine_request = EngineRequest(request_id, self._keyer.keys(token_ids), len(token_ids), max_tokens)
         try:
             stream = self.loop.submit(engine_request)
         except ValueError as exc:  # the prompt can never fit this engine's KV cache
             raise APIError(400, str(exc), param="prompt") from None
         try:
-            shape = ResponseShape(parsed.chat, request_id, self.config.model, int(time.time()))
-            words = generated_words(self.config.seed, token_ids, parsed.max_tokens)
-            if parsed.stream:
-                return await self._stream(request, stream, shape, words, len(token_ids), parsed, arrived)
+            shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
+            words = generated_words(self.config.seed, token_ids, max_tokens)
+            if generation.parsed.stream:
+                return await self._stream(request, stream, shape, words, len(token_ids), generation, arrived)
             return await self._whole(stream, shape, words, len(token_ids), arrived)
         finally:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
             self.loop.cancel(request_id)
 
-    async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
-        if parsed.token_ids is not None:
-            return parsed.token_ids
+    async def _prompt_token_ids(self, generation: GenerationRequest) -> Sequence[int]:
+        parsed = generation.parsed
+        if parsed.prompt_ids is not None:
+            return parsed.prompt_ids
         if self._tokenizer is None:
-            raise APIError(400, "this engine was started without a tokenizer: send token ids as the prompt",
-                           param="prompt")
+            raise APIError(
+                400,
+                "this engine was started without a tokenizer: send token ids as the prompt",
+                param="prompt",
+            )
         try:
             if parsed.messages is not None:
-                return await self._tokenizer.encode_chat(list(parsed.messages))
-            return await self._tokenizer.encode_prompt(parsed.text or "")
+                return await self._tokenizer.encode_chat(parsed.messages)
+            return await self._tokenizer.encode_prompt(parsed.prompt_text or "")
         except ValueError as exc:  # chat template errors: roles or content the template refuses
             raise APIError(400, str(exc), param="messages" if parsed.chat else "prompt") from None
 
@@ -172,8 +183,9 @@ class MockEngine:
                 param="max_tokens",
             )
 
-    async def _events(self, stream: RequestStream, arrived: float,
-                      on_tokens: Callable[[int, int, bool], Awaitable[None]]) -> int:
+    async def _events(
+        self, stream: RequestStream, arrived: float, on_tokens: Callable[[int, int, bool], Awaitable[None]]
+    ) -> int:
         """Feed each event's new tokens to `on_tokens(start, count, finished)`; returns cached tokens."""
         produced = 0
         while True:
@@ -185,10 +197,19 @@ class MockEngine:
             if event.finished:
                 return event.cached_tokens
 
-    async def _stream(self, request: web.Request, stream: RequestStream, shape: ResponseShape,
-                      words: list[str], prompt_tokens: int, parsed: ParsedRequest,
-                      arrived: float) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(
+        self,
+        request: web.Request,
+        stream: RequestStream,
+        shape: ResponseShape,
+        words: list[str],
+        prompt_tokens: int,
+        generation: GenerationRequest,
+        arrived: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         opener = shape.first_chunk()
         if opener is not None:
@@ -199,23 +220,25 @@ class MockEngine:
             await response.write(sse(shape.text_chunk(text, "length" if finished else None)))
 
         cached = await self._events(stream, arrived, send)
-        if parsed.include_usage:
+        if generation.include_usage:
             await response.write(sse(shape.usage_chunk(usage(prompt_tokens, len(words), cached))))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
 
-    async def _whole(self, stream: RequestStream, shape: ResponseShape, words: list[str],
-                     prompt_tokens: int, arrived: float) -> web.Response:
+    async def _whole(
+        self,
+        stream: RequestStream,
+        shape: ResponseShape,
+        words: list[str],
+        prompt_tokens: int,
+        arrived: float,
+    ) -> web.Response:
         async def ignore(start: int, count: int, finished: bool) -> None:
             return None
 
         cached = await self._events(stream, arrived, ignore)
-        return _json(shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached)))
-
-
-def _json(payload: dict, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+        return json_response(shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached)))
 
 
 @dataclass
