@@ -1,0 +1,76 @@
+"""Shared pieces of the gateway tests: settings, the one tokenizer, in-flight checks."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.gateway.server import GatewayHandle
+from kvgate.gateway.state import GATEWAY
+from kvgate.gateway.tokenizer import load_tokenizer
+
+
+@functools.cache
+def tokenizer():
+    """Loaded once per test session (about a second each time otherwise)."""
+    return load_tokenizer()
+
+
+def gateway_settings(upstreams: dict[str, str], model: str, **overrides) -> Settings:
+    """Settings for a test gateway on a free port in front of `upstreams` (id -> URL)."""
+    values = {
+        "port": 0,
+        # Health checks and scraping stay out of the way unless a test asks for them.
+        "health_check_interval_s": 60.0,
+        "stats_poll_interval_s": 60.0,
+        "instances": [InstanceConfig(id=i, url=url, model=model) for i, url in upstreams.items()],
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+def closed_port_url() -> str:
+    """A loopback URL nothing listens on (connections are refused at once)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def inflight_gauges(url: str) -> tuple[float, float]:
+    """Sum of kvgate_inflight_requests and kvgate_inflight_prefill_tokens as /metrics shows them."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    sums = {"kvgate_inflight_requests": 0.0, "kvgate_inflight_prefill_tokens": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name in sums:
+            sums[family.name] = sum(sample.value for sample in family.samples)
+    return sums["kvgate_inflight_requests"], sums["kvgate_inflight_prefill_tokens"]
+
+
+async def assert_nothing_in_flight(handle: GatewayHandle, timeout_s: float = 5.0) -> None:
+    """The account and the gauges must both return to zero (they may lag a cancelled handler briefly)."""
+    account = handle.app[GATEWAY].account
+    await wait_until(lambda: account.total_inflight() == 0, timeout_s)
+    assert await inflight_gauges(handle.url) == (0.0, 0.0)
+
+
+def counter_value(handle: GatewayHandle, name: str, **labels: str) -> float:
+    value = handle.app[GATEWAY].prometheus.get_sample_value(name, labels or None)
+    return value or 0.0
