@@ -71,7 +71,7 @@ def make_key_format(settings: Settings) -> KeyFormat:
     template = _PRESET_TEMPLATES.get(name, name)
     model = settings.kvs_model_name.rstrip("/").rsplit("/", 1)[-1]  # vLLM keys carry the basename
     if "model" in _template_fields(template) and not model:
-        raise ValueError(f"key format {name!r} embeds the model name: set --kvs-model-name")
+        raise ValueError(f"key format {name!r} embeds the model name, which is not set (--kvs-model-name)")
     return KeyFormat(name, lambda block: template.format(hash=block.value, model=model, rank=0))
 
 
