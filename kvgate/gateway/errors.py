@@ -64,8 +64,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except APIError as exc:
         return error_response(exc)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(APIError(413, f"request body too large: limit is {exc.max_size} bytes",
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.client_max_size
+        return error_response(APIError(413, f"request body too large: the limit is {limit} bytes",
                                        code="body_too_large"))
     except web.HTTPException as exc:
         if exc.status < 400:
