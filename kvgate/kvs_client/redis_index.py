@@ -117,13 +117,14 @@ class RedisBlockPublisher:
     async def withdraw_all(self) -> None:
         await self.withdraw(list(self._published))
 
-    async def close(self) -> None:
+    async def close(self, withdraw: bool = True) -> None:
         """Withdraw every claim (an engine that stops holds nothing), then disconnect.
 
         If Redis is unreachable the claims are left to expire after the ttl.
         """
         try:
-            await self.withdraw_all()
+            if withdraw:
+                await self.withdraw_all()
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("Redis index: could not withdraw %d claims of %s (they expire in %.0fs): %s",
                         len(self._published), self.endpoint, self.ttl_ms / 1000, exc)
