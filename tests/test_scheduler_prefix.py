@@ -96,3 +96,13 @@ def test_matches_a_block_by_block_count(locations, chunk, tail, prompt):
         if min(tokens, prompt) > 0:
             expected[inst] = min(tokens, prompt)
     assert prefix_hit_tokens(bs, locations, PROPERTY_MAP, prompt) == expected
+
+
+def test_remembered_endpoints_are_bounded(monkeypatch):
+    monkeypatch.setattr(EndpointMap, "MAX_REMEMBERED", 2)
+    endpoint_map = EndpointMap.from_instances([instance("a", "127.0.0.2"), instance("b", "127.0.0.3")])
+    for port in range(10):
+        assert endpoint_map.instances_at(f"127.0.0.2:{port}") == {"a"}
+    assert len(endpoint_map.resolved) <= 2
+    locations = [{"127.0.0.3:1", "127.0.0.2:1"}, {"127.0.0.3:2"}]
+    assert prefix_hit_tokens(blocks(2), locations, endpoint_map, 100) == {"a": 4, "b": 8}

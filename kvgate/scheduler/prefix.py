@@ -8,7 +8,6 @@ port of a transfer engine is often chosen at run time), "IP:port" matches exactl
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 from kvgate.config.settings import InstanceConfig
 from kvgate.scheduler.hashing import BlockHash
@@ -22,12 +21,19 @@ def split_endpoint(endpoint: str) -> tuple[str, str | None]:
     return endpoint.strip("[]"), None
 
 
-@dataclass(frozen=True, slots=True)
 class EndpointMap:
-    """Store endpoints -> ids of the instances whose cache they hold."""
+    """Store endpoints -> ids of the instances whose cache they hold. Rebuilt when instances change."""
 
-    by_endpoint: Mapping[str, frozenset[str]]  # "IP:port" entries
-    by_host: Mapping[str, frozenset[str]]  # bare "IP" entries
+    # Answers are kept: a fleet has few endpoints, and a 128K-token prompt names each one up to
+    # 512 times. Bounded anyway, in case a store reports endpoints without end.
+    MAX_REMEMBERED = 65536
+
+    def __init__(
+        self, by_endpoint: Mapping[str, frozenset[str]], by_host: Mapping[str, frozenset[str]]
+    ) -> None:
+        self.by_endpoint = by_endpoint  # "IP:port" entries
+        self.by_host = by_host  # bare "IP" entries
+        self.resolved = _ResolvedEndpoints(self)  # endpoint -> instances, filled on first use
 
     @classmethod
     def from_instances(cls, instances: Sequence[InstanceConfig]) -> EndpointMap:
@@ -46,9 +52,26 @@ class EndpointMap:
         )
 
     def instances_at(self, endpoint: str) -> frozenset[str]:
+        return self.resolved[endpoint]
+
+    def _resolve(self, endpoint: str) -> frozenset[str]:
         host, port = split_endpoint(endpoint)
         exact = self.by_endpoint.get(f"{host}:{port}", frozenset()) if port else frozenset()
         return exact | self.by_host.get(host, frozenset())
+
+
+class _ResolvedEndpoints(dict[str, frozenset[str]]):
+    """A dict whose misses resolve the endpoint, so that lookups by map() stay in C."""
+
+    def __init__(self, endpoint_map: EndpointMap) -> None:
+        super().__init__()
+        self._endpoint_map = endpoint_map
+
+    def __missing__(self, endpoint: str) -> frozenset[str]:
+        if len(self) >= EndpointMap.MAX_REMEMBERED:
+            self.clear()
+        instances = self[endpoint] = self._endpoint_map._resolve(endpoint)
+        return instances
 
 
 def prefix_hit_tokens(
@@ -63,18 +86,18 @@ def prefix_hit_tokens(
     block: a later block it holds cannot be reused without the ones before it. A saved unfull block
     counts its real length; the total is capped at the prompt length.
     """
-    instances_of: dict[str, frozenset[str]] = {}  # each endpoint resolved once per request
+    resolve = endpoint_map.resolved.__getitem__
     holding: set[str] | None = None  # instances holding every block so far
     hits: dict[str, int] = {}
     covered = 0
+    previous: Collection[str] | None = None
+    here: set[str] = set()
     for block, endpoints in zip(blocks, locations, strict=False):
-        here: set[str] = set()
-        for endpoint in endpoints:
-            if endpoint not in instances_of:
-                instances_of[endpoint] = endpoint_map.instances_at(endpoint)
-            here |= instances_of[endpoint]
+        if endpoints != previous:  # runs of blocks usually live on the same endpoints
+            here = set().union(*map(resolve, endpoints))
+            previous = endpoints
         if holding is None:
-            holding = here
+            holding = set(here)
         else:
             for instance in holding - here:
                 hits[instance] = covered
