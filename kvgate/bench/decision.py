@@ -26,7 +26,7 @@ from tabulate import tabulate
 
 from kvgate.bench.loadgen import LatencyStats
 from kvgate.config.settings import HashAlgo, InstanceConfig, InstanceRole, Settings
-from kvgate.scheduler.hashing import BlockHash, _hash_sha256_cbor_generic
+from kvgate.scheduler.hashing import BlockHash, hash_sha256_cbor_with_cbor2
 from kvgate.scheduler.policies import make_policy
 from kvgate.scheduler.prefix import prefix_hit_tokens
 from kvgate.scheduler.router import Scheduler
@@ -97,7 +97,7 @@ def hashing_rows(tokens: list[int], repeats: int, max_s: float) -> list[list[str
         scheduler = Scheduler(Settings(kvs_hash_algo=algo, kvs_chunk_size=CHUNK), ())
         stats = time_calls(lambda s=scheduler: s.block_keys(s.block_hashes(tokens)), repeats, max_s)
         rows.append([f"{algo.value} (+ keys)", *_ms(stats)])
-    plain = time_calls(lambda: _hash_sha256_cbor_generic(tokens, CHUNK, False, "0"), repeats, max_s)
+    plain = time_calls(lambda: hash_sha256_cbor_with_cbor2(tokens, CHUNK, False, "0"), repeats, max_s)
     rows.append(["baseline: sha256_cbor, cbor2 per chunk", *_ms(plain)])
     return rows
 
