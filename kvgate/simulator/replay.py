@@ -1,0 +1,300 @@
+"""Discrete-event replay of a trace over simulated engines, routed by the gateway's own scheduler.
+
+Virtual time only: a heap of engine step ends and stats scrapes, merged with the trace's arrivals.
+Each arrival goes through exactly what `kvgate serve` runs for a request: `Scheduler.wants_kvs`,
+a lookup in a real `EmbeddedKVSIndex` (which the simulated engines fill and empty as they cache and
+evict), candidates loaded from a `LoadAccount` (dispatches, first tokens, finishes, engine stats
+scraped every `stats_poll_interval_s`), `Scheduler.decide`, then `LoadAccount.dispatch`.
+
+Engines are `EngineCore`s with 512-token blocks (one trace hash id each). Pure decode stretches
+are fast-forwarded up to the next arrival (see EngineCore.step), which is what makes an hour of
+trace take seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile, StepOutcome
+from kvgate.kvs_client.embedded import EmbeddedKVSIndex
+from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.hashing import BlockHash
+from kvgate.scheduler.router import Scheduler
+from kvgate.scheduler.types import Candidate, EngineStats
+from kvgate.simulator.report import HitRatioReference, SimulationSummary, summarise
+from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
+
+KVS_PORT = 17901
+
+# Heap priorities at equal times: finished work and scrapes first, then arrivals, then step starts,
+# so an engine's next step sees every request that arrived at the instant it begins.
+_STEP_END, _SCRAPE, _ARRIVAL, _STEP_START = 0, 1, 2, 3
+
+
+def trace_profile(cache_capacity_blocks: int | None = None) -> ServiceProfile:
+    """The default simulated GPU (engine_model.profile) with the trace's 512-token blocks.
+
+    Its KV cache keeps the default's ~426K tokens (832 blocks): the HBM an 80 GB GPU has left for
+    an 8B model's KV cache. That holds ~35 average prompts of the conversation trace, while a
+    conversation returns after ~2 minutes (the median gap between a block's uses), during which
+    one instance sees ~1/8 of ~3.3 req/s x 12K tokens ~ 560K tokens: placement decides what stays.
+    """
+    profile = ServiceProfile().with_block_size(TRACE_BLOCK_TOKENS)
+    if cache_capacity_blocks is not None:
+        profile = dataclasses.replace(profile, cache_capacity_blocks=cache_capacity_blocks)
+    return profile
+
+
+def simulated_instances(count: int) -> tuple[InstanceConfig, ...]:
+    """Instance i serves on 127.0.0.{i+2} and its KV cache is published under that host."""
+    if not 1 <= count <= 250:
+        raise ValueError("instances must be between 1 and 250 (one loopback IP each)")
+    return tuple(
+        InstanceConfig(
+            id=f"sim-{i:03d}",
+            url=f"http://127.0.0.{i + 2}:8000",
+            model="trace",
+            kvs_endpoints=(f"127.0.0.{i + 2}:{KVS_PORT}",),
+        )
+        for i in range(count)
+    )
+
+
+@dataclass
+class _Instance:
+    config: InstanceConfig
+    engine: EngineCore
+    busy: bool = False  # a step is running or about to start
+    pending: StepOutcome | None = None
+    requests: int = 0
+
+
+class Replay:
+    """One policy over one trace. Build, `run()`, read the summary."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        settings: Settings,
+        num_instances: int,
+        profile: ServiceProfile,
+        *,
+        seed: int = 0,
+        show_progress: bool = False,
+        reference: HitRatioReference,
+    ) -> None:
+        if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
+            raise ValueError(
+                f"the trace's blocks are {TRACE_BLOCK_TOKENS} tokens: the profile's block size and"
+                f" --kvs-chunk-size must be too (got {profile.block_size} and {settings.kvs_chunk_size})"
+            )
+        self._requests = requests
+        self._settings = settings
+        self._show_progress = show_progress
+        configs = simulated_instances(num_instances)
+        self.scheduler = Scheduler(settings, configs, rng=random.Random(seed))
+        self.account = LoadAccount(settings.request_local_account_staleness_s)
+        self.index = EmbeddedKVSIndex()
+        self._instances = [_Instance(c, EngineCore(profile, self._publisher(c))) for c in configs]
+        self._slot_of = {inst.config.id: slot for slot, inst in enumerate(self._instances)}
+        self._reference = reference
+        self._next_arrival_at = math.inf
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        n = len(requests)
+        self.ttft = [math.nan] * n
+        self.queue = [math.nan] * n
+        self.finish = [math.nan] * n
+        self.steps = 0
+        self.prefill_time_s = 0.0
+
+    def _publisher(self, config: InstanceConfig):
+        endpoint = config.kvs_endpoints[0]
+        index = self.index
+
+        def on_cache_change(added: list[str], evicted: list[str]) -> None:
+            if evicted:
+                index.remove(evicted, endpoint)
+            if added:
+                index.add(added, endpoint)
+
+        return on_cache_change
+
+    def _push(self, when: float, priority: int, instance: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (when, priority, self._seq, instance))
+
+    # --- the loop ---
+
+    def run(self) -> SimulationResult:
+        started = time.perf_counter()
+        requests = self._requests
+        heap = self._heap
+        scrape_every = self._settings.stats_poll_interval_s
+        if requests:
+            self._push(requests[0].arrival_s, _SCRAPE, -1)
+        progress = tqdm(total=len(requests), unit="req", disable=not self._show_progress, leave=False)
+        next_arrival = 0
+        self._next_arrival_at = requests[0].arrival_s if requests else math.inf
+        while next_arrival < len(requests) or heap:
+            arrival_at = self._next_arrival_at
+            if heap and (heap[0][0], heap[0][1]) < (arrival_at, _ARRIVAL):
+                when, kind, _, slot = heapq.heappop(heap)
+                if kind == _STEP_END:
+                    self._end_step(slot, when)
+                elif kind == _STEP_START:
+                    self._start_step(slot, when)
+                elif next_arrival < len(requests) or any(inst.busy for inst in self._instances):
+                    self._scrape(when)
+                    self._push(when + scrape_every, _SCRAPE, -1)
+                continue
+            next_arrival += 1
+            self._next_arrival_at = (
+                requests[next_arrival].arrival_s if next_arrival < len(requests) else math.inf
+            )
+            self._dispatch(requests[next_arrival - 1], arrival_at)
+            progress.update(1)
+        progress.close()
+        return self._result(time.perf_counter() - started)
+
+    def _blocks(self, req: TraceRequest) -> list[BlockHash]:
+        """The request's blocks as the gateway's hasher would give them for this trace."""
+        full = req.input_length // TRACE_BLOCK_TOKENS
+        blocks = [BlockHash(key, TRACE_BLOCK_TOKENS, True) for key in req.block_keys[:full]]
+        remainder = req.input_length - full * TRACE_BLOCK_TOKENS
+        if remainder and self._settings.kvs_enable_save_unfull_chunk:
+            blocks.append(BlockHash(req.block_keys[full], remainder, False))
+        return blocks
+
+    def _dispatch(self, req: TraceRequest, now: float) -> None:
+        scheduler = self.scheduler
+        account = self.account
+        n = req.input_length
+        blocks = self._blocks(req)
+        # Engines cache and publish under the store key names the gateway looks up.
+        keys = scheduler.block_keys(blocks)
+        locations = [self.index.holders(key) for key in keys] if scheduler.wants_kvs(n) else None
+        candidates = [
+            Candidate(inst.config.id, inst.config.role, account.load(inst.config.id))
+            for inst in self._instances
+        ]
+        decision = scheduler.decide(n, blocks, locations, candidates)
+        chosen = decision.scores[0]
+        rid = str(req.index)
+        account.dispatch(rid, chosen.id, chosen.prefix_miss_tokens, now)
+        slot = self._slot_of[chosen.id]
+        inst = self._instances[slot]
+        inst.requests += 1
+        full_keys = tuple(keys[: n // TRACE_BLOCK_TOKENS])
+        inst.engine.submit(EngineRequest(rid, full_keys, n, req.output_length), now)
+        if not inst.busy:
+            inst.busy = True
+            self._push(now, _STEP_START, slot)
+
+    def _start_step(self, slot: int, now: float) -> None:
+        inst = self._instances[slot]
+        out = inst.engine.step(now, fast_forward_until=self._next_arrival_at)
+        if out.num_steps == 0:
+            inst.busy = False
+            return
+        self.steps += out.num_steps
+        if out.prefill_tokens_computed:
+            self.prefill_time_s += out.duration_s
+        for rid, waited in out.admitted:
+            self.queue[int(rid)] = waited
+        inst.pending = out
+        self._push(now + out.duration_s, _STEP_END, slot)
+
+    def _end_step(self, slot: int, now: float) -> None:
+        inst = self._instances[slot]
+        out = inst.pending
+        inst.pending = None
+        account = self.account
+        requests = self._requests
+        for rid in out.first_tokens:
+            i = int(rid)
+            self.ttft[i] = now - requests[i].arrival_s
+            account.first_token(rid, now)
+        for rid in out.finished:
+            self.finish[int(rid)] = now
+            account.release(rid)
+        if not inst.engine.has_work():
+            inst.busy = False
+        elif self._next_arrival_at > now:
+            self._start_step(slot, now)
+        else:
+            # An arrival at this very instant must be dispatched before the next step starts.
+            self._push(now, _STEP_START, slot)
+
+    def _scrape(self, now: float) -> None:
+        """What the gateway's stats poller does: read every engine's gauges, age the account."""
+        for inst in self._instances:
+            stats = inst.engine.stats()
+            self.account.observe_engine(
+                inst.config.id,
+                EngineStats(stats.num_running, stats.num_waiting, stats.kv_cache_usage_ratio),
+                now,
+            )
+        self.account.expire(now)
+
+    def _result(self, wall_time_s: float) -> SimulationResult:
+        engine_stats = [inst.engine.stats() for inst in self._instances]
+        ttfts = [t for t in self.ttft if not math.isnan(t)]
+        summary = summarise(
+            policy=self.scheduler.policy.name,
+            ttfts=ttfts,
+            queue_times=[q for q in self.queue if not math.isnan(q)],
+            arrivals=[r.arrival_s for r in self._requests],
+            finishes=[f for f in self.finish if not math.isnan(f)],
+            per_instance_requests=[inst.requests for inst in self._instances],
+            cached_tokens=sum(s.prefix_cache_hits for s in engine_stats),
+            prompt_tokens=sum(s.prefix_cache_queries for s in engine_stats),
+            reference=self._reference,
+            prefill_time_s=self.prefill_time_s,
+            engine_steps=self.steps,
+            wall_time_s=wall_time_s,
+        )
+        return SimulationResult(summary, ttfts)
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    summary: SimulationSummary
+    # Every request's time to first token, in trace order (for CDF plots).
+    ttfts: list[float]
+
+
+def hit_ratio_reference(requests: Sequence[TraceRequest], fleet_capacity_blocks: int) -> HitRatioReference:
+    return HitRatioReference(ideal_hit_ratio(requests), fleet_lru_hit_ratio(requests, fleet_capacity_blocks))
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    settings: Settings,
+    num_instances: int,
+    profile: ServiceProfile,
+    *,
+    seed: int = 0,
+    show_progress: bool = False,
+    reference: HitRatioReference | None = None,
+) -> SimulationResult:
+    """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines."""
+    replay = Replay(
+        requests,
+        settings,
+        num_instances,
+        profile,
+        seed=seed,
+        show_progress=show_progress,
+        reference=reference or hit_ratio_reference(requests, num_instances * profile.cache_capacity_blocks),
+    )
+    return replay.run()
