@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,27 @@ def running_redis_server(log_dir: Path) -> Iterator[RedisServerProcess]:
 @contextlib.contextmanager
 def store_client(master: MooncakeMasterProcess, local_ip: str, log_dir: Path) -> Iterator[PublisherProcess]:
     """A Mooncake store client bound to `local_ip` in a child process; its keys go when it closes."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    client = PublisherProcess(
-        local_ip, master.rpc_address, master.metadata_url, log_dir / f"store-client-{local_ip}.log"
-    )
-    try:
+    with store_clients(master, [local_ip], log_dir) as (client,):
         yield client
-    finally:
-        client.close()
+
+
+@contextlib.contextmanager
+def store_clients(
+    master: MooncakeMasterProcess, local_ips: Sequence[str], log_dir: Path
+) -> Iterator[list[PublisherProcess]]:
+    """One store client per IP, started and closed in parallel (a clean close takes ~2 s each)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(ip: str) -> PublisherProcess:
+        return PublisherProcess(ip, master.rpc_address, master.metadata_url, log_dir / f"store-client-{ip}.log")
+
+    with ThreadPoolExecutor(max_workers=max(1, len(local_ips))) as pool:
+        futures = [pool.submit(start, ip) for ip in local_ips]
+        clients = [future.result() for future in futures if future.exception() is None]
+        failure = next((future.exception() for future in futures if future.exception() is not None), None)
+        try:
+            if failure is not None:
+                raise failure
+            yield clients
+        finally:
+            list(pool.map(PublisherProcess.close, clients))

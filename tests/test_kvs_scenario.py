@@ -18,7 +18,7 @@ from kvgate.config.settings import KVSBackendName, Settings
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.kvs_client.mooncake import MooncakeMasterBackend
 from kvgate.kvs_client.redis_index import RedisBlockPublisher
-from tests.services import store_client
+from tests.services import store_clients
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,11 +71,10 @@ class StoreClientHolder:
 
 
 @pytest.fixture(scope="module")
-def store_clients(mooncake_master, tmp_path_factory) -> Iterator[tuple[StoreClientHolder, StoreClientHolder]]:
-    log_dir = tmp_path_factory.mktemp("store-clients")
-    with (
-        store_client(mooncake_master, "127.0.0.2", log_dir) as first,
-        store_client(mooncake_master, "127.0.0.3", log_dir) as second,
+def two_holders(mooncake_master, tmp_path_factory) -> Iterator[tuple[StoreClientHolder, StoreClientHolder]]:
+    with store_clients(mooncake_master, ["127.0.0.2", "127.0.0.3"], tmp_path_factory.mktemp("store-clients")) as (
+        first,
+        second,
     ):
         yield StoreClientHolder(first), StoreClientHolder(second)
 
@@ -102,7 +101,7 @@ async def fleet(request) -> AsyncIterator[Fleet]:
         await second.close()
     else:
         master = request.getfixturevalue("mooncake_master")
-        first, second = request.getfixturevalue("store_clients")
+        first, second = request.getfixturevalue("two_holders")
         host, port = master.admin_url.removeprefix("http://").split(":")
         settings = SETTINGS.model_copy(update={
             "kvs_backend": KVSBackendName.MOONCAKE,

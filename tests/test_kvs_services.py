@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 import redis
 
-from tests.services import store_client
+from tests.services import store_clients
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,10 +21,7 @@ def _batch_query(admin_url: str, keys: list[str]) -> dict:
 @pytest.mark.mooncake
 def test_store_clients_on_two_loopback_ips_are_reported_at_their_own_endpoints(mooncake_master, tmp_path):
     assert mooncake_master.healthy()
-    with (
-        store_client(mooncake_master, "127.0.0.2", tmp_path) as first,
-        store_client(mooncake_master, "127.0.0.3", tmp_path) as second,
-    ):
+    with store_clients(mooncake_master, ["127.0.0.2", "127.0.0.3"], tmp_path) as (first, second):
         assert first.endpoint.startswith("127.0.0.2:") and second.endpoint.startswith("127.0.0.3:")
         assert first.publish(["svc-a1", "svc-a2"]) == []
         assert second.publish(["svc-b1"]) == []
