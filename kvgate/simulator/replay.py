@@ -46,7 +46,7 @@ def trace_profile(cache_capacity_blocks: int | None = None) -> ServiceProfile:
     Its KV cache keeps the default's ~426K tokens (832 blocks): the HBM an 80 GB GPU has left for
     an 8B model's KV cache. That holds ~35 average prompts of the conversation trace, while a
     conversation returns after ~2 minutes (the median gap between a block's uses), during which
-    one instance sees ~1/8 of ~3.3 req/s x 12K tokens ~ 560K tokens: placement decides what stays.
+    one instance sees ~1/8 of ~3.4 req/s x 12K tokens ~ 600K tokens: placement decides what stays.
     """
     profile = ServiceProfile().with_block_size(TRACE_BLOCK_TOKENS)
     if cache_capacity_blocks is not None:
