@@ -114,10 +114,10 @@ def test_replay_leaves_no_account_and_index_equals_the_engines_caches(prefix_tra
     assert result.summary.requests == len(prefix_trace) == len(result.ttfts)
     assert replay.account.total_inflight() == 0
     published = {}
-    for key in {k for r in prefix_trace for k in replay.scheduler.block_keys(replay._blocks(r))}:
+    for key in {k for r in prefix_trace for k in replay.scheduler.block_keys(replay.blocks(r))}:
         for endpoint in replay.index.holders(key):
             published.setdefault(endpoint, set()).add(key)
-    for inst in replay._instances:
+    for inst in replay.instances:
         assert not inst.engine.has_work()
         assert published.get(inst.config.kvs_endpoints[0], set()) == set(inst.engine.cache.keys())
 

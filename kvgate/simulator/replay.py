@@ -18,7 +18,7 @@ import heapq
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -70,7 +70,9 @@ def simulated_instances(count: int) -> tuple[InstanceConfig, ...]:
 
 
 @dataclass
-class _Instance:
+class SimInstance:
+    """One simulated engine and what the replay tracks about it."""
+
     config: InstanceConfig
     engine: EngineCore
     busy: bool = False  # a step is running or about to start
@@ -104,8 +106,8 @@ class Replay:
         self.scheduler = Scheduler(settings, configs, rng=random.Random(seed))
         self.account = LoadAccount(settings.request_local_account_staleness_s)
         self.index = EmbeddedKVSIndex()
-        self._instances = [_Instance(c, EngineCore(profile, self._publisher(c))) for c in configs]
-        self._slot_of = {inst.config.id: slot for slot, inst in enumerate(self._instances)}
+        self.instances = [SimInstance(c, EngineCore(profile, self._publisher(c))) for c in configs]
+        self._slot_of = {inst.config.id: slot for slot, inst in enumerate(self.instances)}
         self._reference = reference
         self._next_arrival_at = math.inf
         self._heap: list[tuple[float, int, int, int]] = []
@@ -117,7 +119,7 @@ class Replay:
         self.steps = 0
         self.prefill_time_s = 0.0
 
-    def _publisher(self, config: InstanceConfig):
+    def _publisher(self, config: InstanceConfig) -> Callable[[list[str], list[str]], None]:
         endpoint = config.kvs_endpoints[0]
         index = self.index
 
@@ -153,7 +155,7 @@ class Replay:
                     self._end_step(slot, when)
                 elif kind == _STEP_START:
                     self._start_step(slot, when)
-                elif next_arrival < len(requests) or any(inst.busy for inst in self._instances):
+                elif next_arrival < len(requests) or any(inst.busy for inst in self.instances):
                     self._scrape(when)
                     self._push(when + scrape_every, _SCRAPE, -1)
                 continue
@@ -166,7 +168,7 @@ class Replay:
         progress.close()
         return self._result(time.perf_counter() - started)
 
-    def _blocks(self, req: TraceRequest) -> list[BlockHash]:
+    def blocks(self, req: TraceRequest) -> list[BlockHash]:
         """The request's blocks as the gateway's hasher would give them for this trace."""
         full = req.input_length // TRACE_BLOCK_TOKENS
         blocks = [BlockHash(key, TRACE_BLOCK_TOKENS, True) for key in req.block_keys[:full]]
@@ -179,20 +181,20 @@ class Replay:
         scheduler = self.scheduler
         account = self.account
         n = req.input_length
-        blocks = self._blocks(req)
+        blocks = self.blocks(req)
         # Engines cache and publish under the store key names the gateway looks up.
         keys = scheduler.block_keys(blocks)
         locations = [self.index.holders(key) for key in keys] if scheduler.wants_kvs(n) else None
         candidates = [
             Candidate(inst.config.id, inst.config.role, account.load(inst.config.id))
-            for inst in self._instances
+            for inst in self.instances
         ]
         decision = scheduler.decide(n, blocks, locations, candidates)
         chosen = decision.scores[0]
         rid = str(req.index)
         account.dispatch(rid, chosen.id, chosen.prefix_miss_tokens, now)
         slot = self._slot_of[chosen.id]
-        inst = self._instances[slot]
+        inst = self.instances[slot]
         inst.requests += 1
         full_keys = tuple(keys[: n // TRACE_BLOCK_TOKENS])
         inst.engine.submit(EngineRequest(rid, full_keys, n, req.output_length), now)
@@ -201,7 +203,7 @@ class Replay:
             self._push(now, _STEP_START, slot)
 
     def _start_step(self, slot: int, now: float) -> None:
-        inst = self._instances[slot]
+        inst = self.instances[slot]
         out = inst.engine.step(now, fast_forward_until=self._next_arrival_at)
         if out.num_steps == 0:
             inst.busy = False
@@ -215,7 +217,7 @@ class Replay:
         self._push(now + out.duration_s, _STEP_END, slot)
 
     def _end_step(self, slot: int, now: float) -> None:
-        inst = self._instances[slot]
+        inst = self.instances[slot]
         out = inst.pending
         inst.pending = None
         account = self.account
@@ -237,7 +239,7 @@ class Replay:
 
     def _scrape(self, now: float) -> None:
         """What the gateway's stats poller does: read every engine's gauges, age the account."""
-        for inst in self._instances:
+        for inst in self.instances:
             stats = inst.engine.stats()
             self.account.observe_engine(
                 inst.config.id,
@@ -247,7 +249,7 @@ class Replay:
         self.account.expire(now)
 
     def _result(self, wall_time_s: float) -> SimulationResult:
-        engine_stats = [inst.engine.stats() for inst in self._instances]
+        engine_stats = [inst.engine.stats() for inst in self.instances]
         ttfts = [t for t in self.ttft if not math.isnan(t)]
         summary = summarise(
             policy=self.scheduler.policy.name,
@@ -255,7 +257,7 @@ class Replay:
             queue_times=[q for q in self.queue if not math.isnan(q)],
             arrivals=[r.arrival_s for r in self._requests],
             finishes=[f for f in self.finish if not math.isnan(f)],
-            per_instance_requests=[inst.requests for inst in self._instances],
+            per_instance_requests=[inst.requests for inst in self.instances],
             cached_tokens=sum(s.prefix_cache_hits for s in engine_stats),
             prompt_tokens=sum(s.prefix_cache_queries for s in engine_stats),
             reference=self._reference,
