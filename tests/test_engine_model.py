@@ -80,9 +80,11 @@ def test_repeated_prefix_prefills_faster_and_counts_hits():
     first, _, _ = run(engine, [(0.0, request("b", "doc", 2048 + 64))])
     warm = first["b"]
     assert warm < cold / 5
+    engine.submit(request("c", "doc", 1024 + 8), 0.0)  # 64 full blocks, all cached
+    assert engine.step(0.0).cached_tokens == {"c": 1024}
     stats = engine.stats()
-    assert stats.prefix_cache_queries == 2048 + 2048 + 64
-    assert stats.prefix_cache_hits == 2048
+    assert stats.prefix_cache_queries == 2048 + 2048 + 64 + 1024 + 8
+    assert stats.prefix_cache_hits == 2048 + 1024
 
 
 def test_request_queued_behind_same_prefix_reuses_it_when_admitted():

@@ -46,6 +46,8 @@ class StepOutcome:
     duration_s: float = 0.0
     # (request id, seconds it waited between submit and admission) for requests admitted this step.
     admitted: list[tuple[str, float]] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache, per request admitted this step (usage.cached_tokens).
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     # Request id -> prompt tokens found in the prefix cache, for requests admitted this step
     # (what vLLM reports per request as usage.prompt_tokens_details.cached_tokens).
     cached_tokens: dict[str, int] = field(default_factory=dict)
@@ -258,6 +260,7 @@ class EngineCore:
             self._queries += seq.prompt
             self._hits += cached
             out.cached_tokens_hit += cached
+            out.cached_tokens[seq.request_id] = cached
             out.cached_tokens[seq.request_id] = cached
             out.admitted.append((seq.request_id, now - seq.submitted_at))
         return evicted
