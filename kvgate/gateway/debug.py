@@ -29,7 +29,7 @@ async def _schedule(request: web.Request) -> web.Response:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     is_chat = isinstance(body, dict) and "messages" in body
     parsed = (parse_chat if is_chat else parse_completion)(raw)
-    plan = await gateway.planner.plan(parsed)
+    plan = await gateway.planner.plan(parsed, explain=True)
     rate = gateway.settings.prefill_tokens_per_s
     return json_response({
         "selected": plan.decision.selected,

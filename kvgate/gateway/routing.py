@@ -74,19 +74,22 @@ class RoutePlanner:
         self._metrics = metrics
         self._executor = executor
 
-    async def plan(self, request: ParsedRequest) -> RoutePlan:
+    async def plan(self, request: ParsedRequest, explain: bool = False) -> RoutePlan:
+        """The decision for `request`. Block keys are computed only when the store will be asked,
+        unless `explain` (the debug route shows them always)."""
         if not self._registry.serves(request.model):
             raise APIError(404, f"the model '{request.model}' does not exist; see GET /v1/models",
                            param="model", code="model_not_found")
         prompt_ids = await self._timed("tokenize", self._prompt_ids(request))
 
         started = time.perf_counter()
-        blocks = await self._block_hashes(prompt_ids)
-        keys = self._scheduler.block_keys(blocks)
+        wants_kvs = self._scheduler.wants_kvs(len(prompt_ids))
+        blocks = await self._block_hashes(prompt_ids) if wants_kvs or explain else []
+        keys = self._scheduler.block_keys(blocks) if blocks else []
         locations: Sequence[Sequence[str]] | None = None
         kvs_status: LookupStatus = "skipped"
         kvs_elapsed = 0.0
-        if keys and self._scheduler.wants_kvs(len(prompt_ids)):
+        if keys and wants_kvs:
             lookup = await self._kvs.lookup(keys)
             kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
             if lookup.status == "ok":
