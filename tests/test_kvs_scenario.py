@@ -155,11 +155,10 @@ async def test_a_long_key_list_is_answered_completely(fleet: Fleet):
 
     backend = fleet.client.backend
     if isinstance(backend, MooncakeMasterBackend):
-        chunks = list(backend._chunks(asked))
-        assert len(chunks) >= 5, "the list must really be split across requests"
-        assert sum(map(len, chunks)) == len(asked)
-        url_sizes = [len(backend.base_url) + len("/batch_query_keys?keys=") + len(",".join(c)) for c in chunks]
-        assert max(url_sizes) <= backend.max_url_bytes
+        batches = backend.plan_requests(asked)
+        assert len(batches) >= 5, "the list must really be split across requests"
+        assert [key for batch in batches for key in batch.keys] == asked
+        assert max(len(batch.url) for batch in batches) <= backend.max_url_bytes
 
     lookup = await fleet.client.lookup(asked)
     assert lookup.status == "ok"
