@@ -8,7 +8,9 @@ Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
   the backend (the baseline) and once through the gateway, at each concurrency.
 
 Added latency = gateway percentile - direct percentile, measured in the same run. The maximum
-request rate is the closed loop's rate at the highest concurrency.
+request rate is the closed loop's rate at the highest concurrency. Latency on a shared machine
+moves with its load; the gateway's CPU time per request (from /proc, over the requests its own
+counter saw) does much less, so it is reported too: 1 / (CPU per request) bounds the rate of one core.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from tabulate import tabulate
 
 from kvgate.bench.loadgen import ClosedLoopResult, closed_loop_in_process, in_own_process
@@ -50,6 +54,7 @@ class OverheadRow:
     concurrency: int
     direct: ClosedLoopResult
     gateway: ClosedLoopResult
+    gateway_cpu_ms_per_request: float | None
 
     def added_ms(self, percentile: str) -> float | None:
         if self.direct.latency is None or self.gateway.latency is None:
@@ -65,8 +70,33 @@ def _listening(base_url: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class GatewayProcess:
+    url: str
+    pid: int
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the gateway process (Linux /proc), None elsewhere."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        # Fields 14 and 15 of stat(5) (utime, stime), counted after the ")" that ends the command name.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def requests_answered(self) -> float:
+        """The gateway's own count of 200 answers on /v1/completions."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5.0) as response:
+            for family in text_string_to_metric_families(response.read().decode()):
+                for sample in family.samples:
+                    if (sample.name == "kvgate_requests_total" and sample.labels.get("status") == "200"
+                            and sample.labels.get("route") == "/v1/completions"):
+                        return sample.value
+        return 0.0
+
+
 @contextlib.contextmanager
-def gateway_process(backend_url: str, log_dir: Path) -> Iterator[str]:
+def gateway_process(backend_url: str, log_dir: Path) -> Iterator[GatewayProcess]:
     port = free_port()
     config = {
         "host": "127.0.0.1",
@@ -81,7 +111,7 @@ def gateway_process(backend_url: str, log_dir: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         process.wait_ready(lambda: _listening(url), "kvgate serve", _START_TIMEOUT_S)
-        yield url
+        yield GatewayProcess(url, process.pid)
     finally:
         process.stop()
 
@@ -94,11 +124,16 @@ def _loop(config: OverheadConfig, base_url: str, concurrency: int) -> ClosedLoop
 
 def measure(config: OverheadConfig, log_dir: Path) -> list[OverheadRow]:
     rows = []
-    with instant_backends(1, log_dir) as backends, gateway_process(backends[0].url, log_dir) as gateway_url:
+    with instant_backends(1, log_dir) as backends, gateway_process(backends[0].url, log_dir) as gateway:
         for concurrency in config.concurrency:
             direct = _loop(config, backends[0].url, concurrency)
-            through = _loop(config, gateway_url, concurrency)
-            rows.append(OverheadRow(concurrency, direct, through))
+            cpu_before, answered_before = gateway.cpu_seconds(), gateway.requests_answered()
+            through = _loop(config, gateway.url, concurrency)
+            cpu_after, answered = gateway.cpu_seconds(), gateway.requests_answered() - answered_before
+            cpu_ms = None
+            if cpu_before is not None and cpu_after is not None and answered:
+                cpu_ms = (cpu_after - cpu_before) / answered * 1000
+            rows.append(OverheadRow(concurrency, direct, through, cpu_ms))
     return rows
 
 
@@ -108,7 +143,7 @@ def _ms(result: ClosedLoopResult, percentile: str) -> str:
 
 def render(rows: Sequence[OverheadRow]) -> str:
     headers = ["concurrency", "direct p50 ms", "direct p99 ms", "gateway p50 ms", "gateway p99 ms",
-               "added p50 ms", "added p99 ms", "direct req/s", "gateway req/s", "errors"]
+               "added p50 ms", "added p99 ms", "direct req/s", "gateway req/s", "gateway CPU ms/req", "errors"]
     table = []
     for row in rows:
         added50, added99 = row.added_ms("p50"), row.added_ms("p99")
@@ -117,7 +152,8 @@ def render(rows: Sequence[OverheadRow]) -> str:
             row.concurrency, _ms(row.direct, "p50"), _ms(row.direct, "p99"), _ms(row.gateway, "p50"),
             _ms(row.gateway, "p99"), f"{added50:.3f}" if added50 is not None else "-",
             f"{added99:.3f}" if added99 is not None else "-",
-            f"{row.direct.requests_per_s:.0f}", f"{row.gateway.requests_per_s:.0f}", errors,
+            f"{row.direct.requests_per_s:.0f}", f"{row.gateway.requests_per_s:.0f}",
+            f"{row.gateway_cpu_ms_per_request:.3f}" if row.gateway_cpu_ms_per_request is not None else "-", errors,
         ])
     return tabulate(table, headers=headers, tablefmt="github")
 
@@ -155,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"concurrency": r.concurrency, "added_p50_ms": r.added_ms("p50"),
                            "added_p99_ms": r.added_ms("p99"),
+                           "gateway_cpu_ms_per_request": r.gateway_cpu_ms_per_request,
                            "direct": _summary(r.direct), "gateway": _summary(r.gateway)} for r in rows], indent=2))
     else:
         print(f"~2 KB non-streaming completion, instant backend, {config.duration_s:g} s per loop "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
@@ -21,12 +22,12 @@ class InflightTracker:
         self._metrics = metrics
         self._clock = clock
         self._instance_of: dict[str, str] = {}  # account key -> instance id
-        self._instances_seen: set[str] = set()
+        # Per instance (requests gauge, prefill tokens gauge); labels() costs microseconds per call.
+        self._gauges: dict[str, tuple[Any, Any]] = {}
 
     def dispatch(self, key: str, instance_id: str, uncomputed_tokens: int) -> None:
         self.account.dispatch(key, instance_id, uncomputed_tokens, self._clock())
         self._instance_of[key] = instance_id
-        self._instances_seen.add(instance_id)
         self._sync(instance_id)
 
     def first_token(self, key: str) -> None:
@@ -41,13 +42,13 @@ class InflightTracker:
     def expire(self) -> None:
         """Drop stale dispatch entries (the account's safety net) and refresh every gauge."""
         self.account.expire(self._clock())
-        for instance_id in self._instances_seen:
+        for instance_id in self._gauges:
             self._sync(instance_id)
 
     def totals(self) -> tuple[int, int]:
         """(requests, prefill tokens) in flight over all instances, as the account holds them."""
         requests = tokens = 0
-        for instance_id in self._instances_seen:
+        for instance_id in self._gauges:
             count, prefill = self.account.inflight(instance_id)
             requests += count
             tokens += prefill
@@ -56,6 +57,12 @@ class InflightTracker:
     def _sync(self, instance_id: str | None) -> None:
         if instance_id is None:
             return
+        gauges = self._gauges.get(instance_id)
+        if gauges is None:
+            gauges = self._gauges[instance_id] = (
+                self._metrics.inflight_requests.labels(instance_id),
+                self._metrics.inflight_prefill_tokens.labels(instance_id),
+            )
         requests, prefill_tokens = self.account.inflight(instance_id)
-        self._metrics.inflight_requests.labels(instance_id).set(requests)
-        self._metrics.inflight_prefill_tokens.labels(instance_id).set(prefill_tokens)
+        gauges[0].set(requests)
+        gauges[1].set(prefill_tokens)

@@ -71,8 +71,8 @@ class RoutePlanner:
         self._tokenizer = tokenizer
         self._registry = registry
         self._account = account
-        self._metrics = metrics
         self._executor = executor
+        self._stage = {stage: metrics.stage_seconds.labels(stage) for stage in ("tokenize", "kvs", "schedule")}
 
     async def plan(self, request: ParsedRequest, explain: bool = False) -> RoutePlan:
         """The decision for `request`. Block keys are computed only when the store will be asked,
@@ -94,7 +94,7 @@ class RoutePlanner:
             kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
             if lookup.status == "ok":
                 locations = lookup.locations
-            self._metrics.stage_seconds.labels("kvs").observe(kvs_elapsed)
+            self._stage["kvs"].observe(kvs_elapsed)
 
         # Candidates are read after the lookup's await so the loads are as fresh as possible.
         candidates = tuple(
@@ -105,7 +105,7 @@ class RoutePlanner:
             raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
         decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates)
         schedule_s = time.perf_counter() - started - kvs_elapsed
-        self._metrics.stage_seconds.labels("schedule").observe(max(schedule_s, 0.0))
+        self._stage["schedule"].observe(max(schedule_s, 0.0))
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
@@ -129,4 +129,4 @@ class RoutePlanner:
         try:
             return await awaitable
         finally:
-            self._metrics.stage_seconds.labels(stage).observe(time.perf_counter() - started)
+            self._stage[stage].observe(time.perf_counter() - started)
