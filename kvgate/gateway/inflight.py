@@ -45,15 +45,6 @@ class InflightTracker:
         for instance_id in self._gauges:
             self._sync(instance_id)
 
-    def totals(self) -> tuple[int, int]:
-        """(requests, prefill tokens) in flight over all instances, as the account holds them."""
-        requests = tokens = 0
-        for instance_id in self._gauges:
-            count, prefill = self.account.inflight(instance_id)
-            requests += count
-            tokens += prefill
-        return requests, tokens
-
     def _sync(self, instance_id: str | None) -> None:
         if instance_id is None:
             return

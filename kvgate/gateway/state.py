@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -36,9 +35,8 @@ class Gateway:
     kvs: ResilientKVSClient
     planner: RoutePlanner
     started: int = field(default_factory=lambda: int(time.time()))
-    # Set when the application starts (they need the running loop's client session).
+    # Set when the application starts (it needs the running loop's client session).
     forwarder: Forwarder | None = None
-    session: aiohttp.ClientSession | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
