@@ -68,19 +68,18 @@ def store_client(master: MooncakeMasterProcess, local_ip: str, log_dir: Path) ->
 def store_clients(
     master: MooncakeMasterProcess, local_ips: Sequence[str], log_dir: Path
 ) -> Iterator[list[PublisherProcess]]:
-    """One store client per IP, started and closed in parallel (a clean close takes ~2 s each)."""
+    """One store client per IP, closed in parallel (a clean close takes ~2 s each).
+
+    Started from this thread, so the children die with the test run if it is killed.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
-
-    def start(ip: str) -> PublisherProcess:
-        return PublisherProcess(ip, master.rpc_address, master.metadata_url, log_dir / f"store-client-{ip}.log")
-
-    with ThreadPoolExecutor(max_workers=max(1, len(local_ips))) as pool:
-        futures = [pool.submit(start, ip) for ip in local_ips]
-        clients = [future.result() for future in futures if future.exception() is None]
-        failure = next((future.exception() for future in futures if future.exception() is not None), None)
-        try:
-            if failure is not None:
-                raise failure
-            yield clients
-        finally:
+    clients: list[PublisherProcess] = []
+    try:
+        for ip in local_ips:
+            clients.append(
+                PublisherProcess(ip, master.rpc_address, master.metadata_url, log_dir / f"store-client-{ip}.log")
+            )
+        yield clients
+    finally:
+        with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
             list(pool.map(PublisherProcess.close, clients))

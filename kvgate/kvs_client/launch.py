@@ -6,7 +6,8 @@ a log file whose tail is put in every start-up error, because "did not become re
 tells an operator nothing.
 
 Free ports are picked by binding port 0 and releasing it; another process may grab the port
-in between, so a start that fails is retried on fresh ports a few times.
+in between, so a start that fails is retried on fresh ports a few times. Children die with
+their parent (see die_with_parent), so a killed test run or benchmark leaves no servers behind.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,6 +49,19 @@ def tcp_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
         return False
 
 
+def die_with_parent(argv: list[str]) -> list[str]:
+    """Prefix argv so the child gets SIGKILL if this process dies without cleaning up.
+
+    `setpriv --pdeathsig` (util-linux) sets the parent-death signal, which survives the exec
+    into the real program. The signal fires when the *thread* that forked exits, so it is only
+    used from the main thread; elsewhere (and without setpriv) cleanup relies on stop().
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return argv
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv]
+
+
 class LocalProcess:
     """A child process with its output in a log file; stop() always reaps it."""
 
@@ -55,13 +70,7 @@ class LocalProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            # Own process group: a Ctrl-C aimed at the test run does not hit it before cleanup does.
-            start_new_session=True,
+            die_with_parent(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
 
     @property

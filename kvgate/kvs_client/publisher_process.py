@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvgate.kvs_client.launch import die_with_parent
 from kvgate.kvs_client.mooncake_store_publisher import MooncakeStoreError, MooncakeStorePublisher
 
 
@@ -56,8 +57,8 @@ class PublisherProcess:
         env = dict(os.environ)
         env.setdefault("GLOG_minloglevel", "1")
         self._process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-            text=True, bufsize=1, start_new_session=True,
+            die_with_parent(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+            text=True, bufsize=1,
         )
         try:
             hello = self._read_line(start_timeout_s, "start-up")
