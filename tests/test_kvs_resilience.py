@@ -78,18 +78,10 @@ class FakeMaster:
 
 
 @pytest.fixture
-async def fake_master() -> AsyncIterator[FakeMaster]:
+async def fake_master(aiohttp_free_server) -> FakeMaster:
     fake = FakeMaster()
-    app = web.Application()
-    app.router.add_get("/batch_query_keys", fake.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    fake.url = f"http://127.0.0.1:{port}"
-    yield fake
-    await runner.cleanup()
+    fake.url = await aiohttp_free_server(fake.handle)
+    return fake
 
 
 def _client(url: str, settings: Settings = SETTINGS, registry: CollectorRegistry | None = None,
@@ -312,6 +304,7 @@ async def test_keys_the_master_cannot_be_asked_are_absent_and_the_rest_answered(
 
 @pytest.fixture
 async def aiohttp_free_server() -> AsyncIterator:
+    """start(handler) -> base URL of a real aiohttp server on a free loopback port serving it."""
     runners: list[web.AppRunner] = []
 
     async def start(handler) -> str:
@@ -319,10 +312,10 @@ async def aiohttp_free_server() -> AsyncIterator:
         app.router.add_get("/batch_query_keys", handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
 
     yield start
     for runner in runners:
