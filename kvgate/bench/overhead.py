@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = OverheadConfig(concurrency, args.duration_s, args.max_requests)
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         log_dir = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
                            "direct": _summary(r.direct), "gateway": _summary(r.gateway)} for r in rows], indent=2))
     else:
         print(f"~2 KB non-streaming completion, instant backend, {config.duration_s:g} s per loop "
-              f"(at most {config.max_requests} requests), {time.monotonic() - started:.0f} s in all\n")
+              f"(at most {config.max_requests} requests), {time.monotonic() - started:.0f} s in all; "
+              f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+              f"on {os.cpu_count()} CPUs\n")
         print(render(rows))
     return 0
 
