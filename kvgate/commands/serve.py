@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.gateway.tokenizer import TokenizerLoadError, load_tokenizer
 
     try:
-        load_tokenizer(settings.tokenizer, settings.chat_template)
+        tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
     except TokenizerLoadError as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                                             "until one is added through the admin routes")
     from kvgate.gateway.server import run_gateway
 
-    return run_gateway(settings)
+    return run_gateway(settings, tokenizer)
 
 
 def _summary(settings: Settings) -> str:

@@ -91,7 +91,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     settings = gateway.settings
     # One pooled session for every upstream call; no connection cap (engines queue, not us).
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     gateway.forwarder = Forwarder(session, settings, gateway.registry, gateway.tracker, gateway.metrics)
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))

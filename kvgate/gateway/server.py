@@ -47,22 +47,22 @@ async def start_gateway(
     return GatewayHandle(f"http://{host}:{port}", app, runner)
 
 
-def run_gateway(settings: Settings) -> int:
+def run_gateway(settings: Settings, tokenizer: Any = None) -> int:
     """Serve until SIGINT/SIGTERM; uvloop when installed."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve_forever(settings))
-    return uvloop.run(_serve_forever(settings))
+        return asyncio.run(_serve_forever(settings, tokenizer))
+    return uvloop.run(_serve_forever(settings, tokenizer))
 
 
-async def _serve_forever(settings: Settings) -> int:
+async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    handle = await start_gateway(settings)
+    handle = await start_gateway(settings, tokenizer=tokenizer)
     log.info("kvgate gateway listening on %s with %d instance(s), policy %s",
              handle.url, len(settings.instances), settings.effective_policy.value)
     print(f"kvgate gateway listening on {handle.url}", flush=True)
