@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
         print(_summary(settings))
         return 0
     if not settings.instances:
-        logging.getLogger(__name__).warning("no instances configured: every request answers 503 "
-                                            "until one is added through the admin routes")
+        logging.getLogger(__name__).warning("no instances configured: every model is unknown (404) "
+                                            "until an instance is added through the admin routes")
     from kvgate.gateway.server import run_gateway
 
     return run_gateway(settings, tokenizer)
