@@ -1,0 +1,163 @@
+"""`kvgate demo`: round robin vs cache-aware routing on one machine, in one process.
+
+Starts an embedded KV index (or, with --mooncake, the real Mooncake master), N mock engines and
+the gateway, replays a workload with shared prefixes twice (fresh engines each time), and
+prints the two runs side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+from kvgate.bench.loadgen import run_async
+from kvgate.bench.workload import ReplayRequest, TraceError
+from kvgate.config.settings import Settings
+from kvgate.demo.fleet import FleetSpec
+from kvgate.demo.report import format_table
+from kvgate.demo.runner import run_demo, trace_requests
+from kvgate.demo.workload import ConversationWorkload, conversation_requests
+from kvgate.engine_model import ServiceProfile
+from kvgate.kvs_client.launch import MooncakeMasterProcess, ServiceStartError, start_mooncake_master
+from kvgate.mock_engine.server import MockEngineConfig
+
+# 128 blocks of 256 tokens (32K tokens) per engine: the bundled workload's 8 documents (~32K tokens)
+# plus the conversations on them outgrow one engine's cache but fit the fleet's. The engines are
+# scaled down with the workload (a real GPU holds ~426K tokens and serves far more documents).
+BUNDLED_CACHE_BLOCKS = 128
+# Trace prompts are long (12K tokens on average): engines get a whole 80 GB GPU's cache.
+TRACE_CACHE_BLOCKS = ServiceProfile().cache_capacity_blocks
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="compare round robin and cache-aware routing on a simulated fleet",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    workload = ConversationWorkload()
+    parser.add_argument("--engines", type=int, default=4, help="number of mock engines")
+    parser.add_argument("--requests", type=int, default=workload.num_requests, help="requests per policy")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=workload.duration_s,
+        help="seconds over which the bundled workload's conversations arrive",
+    )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="replay the first --requests of this Mooncake-format trace instead of the "
+        "bundled conversations, its arrival times multiplied by --time-scale",
+    )
+    parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=64,
+        help="with --trace: cap each request's output tokens (spares the CPU)",
+    )
+    parser.add_argument(
+        "--mooncake",
+        action="store_true",
+        help="use the real Mooncake master as the KV store (starts mooncake_master)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the engines' text")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="real seconds per modelled GPU second (1: the modelled GPU's own speed)",
+    )
+    parser.add_argument(
+        "--cache-capacity-blocks",
+        type=int,
+        default=None,
+        help=f"KV cache of each engine in 256-token blocks (default {BUNDLED_CACHE_BLOCKS}, "
+        f"{TRACE_CACHE_BLOCKS} with --trace)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def _requests(args: argparse.Namespace) -> list[ReplayRequest]:
+    if args.trace:
+        return trace_requests(args.trace, args.requests, args.time_scale, args.max_tokens_cap)
+    return conversation_requests(
+        ConversationWorkload(num_requests=args.requests, duration_s=args.duration, seed=args.seed)
+    )
+
+
+def _fleet(args: argparse.Namespace, master: MooncakeMasterProcess | None) -> FleetSpec:
+    capacity = args.cache_capacity_blocks or (TRACE_CACHE_BLOCKS if args.trace else BUNDLED_CACHE_BLOCKS)
+    engine = MockEngineConfig(
+        seed=args.seed,
+        time_scale=args.time_scale,
+        profile=ServiceProfile(cache_capacity_blocks=capacity),
+        settings=Settings(),
+    )
+    return FleetSpec(args.engines, engine, master)
+
+
+@contextlib.contextmanager
+def _store(use_mooncake: bool) -> Iterator[MooncakeMasterProcess | None]:
+    if not use_mooncake:
+        yield None
+        return
+    # The in-process store clients log every setup step at INFO; keep their warnings and errors
+    # (Mooncake reads MC_LOG_LEVEL, not glog's GLOG_minloglevel).
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    with start_mooncake_master() as master:
+        yield master
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.engines < 1 or args.engines > 250:
+        return "--engines must be in 1..250 (one loopback IP each)"
+    if args.requests < 1 or args.duration <= 0 or args.time_scale <= 0:
+        return "--requests must be >= 1, --duration and --time-scale > 0"
+    if args.cache_capacity_blocks is not None and args.cache_capacity_blocks < 1:
+        return "--cache-capacity-blocks must be >= 1"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        requests = _requests(args)
+    except (TraceError, ValueError) as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
+    from kvgate.gateway.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer()  # the gateway's; the demo's prompts are token ids
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    store = "the Mooncake master" if args.mooncake else "an embedded index"
+    print(
+        f"kvgate demo: {len(requests)} requests ({prompt_tokens:,} prompt tokens) per policy, "
+        f"{args.engines} mock engines, KV store: {store}",
+        file=sys.stderr,
+    )
+    try:
+        with _store(args.mooncake) as master:
+            spec = _fleet(args, master)
+            runs = run_async(lambda: run_demo(spec, requests, tokenizer, progress=not args.no_progress))
+    except ServiceStartError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(runs))
+    print(
+        "\nThroughput is the offered load when both runs keep up with it (the replay is open loop); "
+        "TTFTs are real time at --time-scale " + f"{args.time_scale:g}.",
+        file=sys.stderr,
+    )
+    print(f"\n({time.perf_counter() - started:.0f} s in all)", file=sys.stderr)
+    return 0 if all(run.summary.completed for run in runs) else 1

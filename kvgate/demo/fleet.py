@@ -1,0 +1,99 @@
+"""Mock engines and a gateway in the running event loop, wired to one KV store.
+
+The store is the embedded index (shared in-process by engines and gateway) or, with a Mooncake
+master, the real store: each engine publishes from its own loopback IP (127.0.0.2, .3, ...) and
+the gateway maps those IPs back to instances, exactly as it would for separate hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.config.settings import DispatchPolicy, InstanceConfig, KVSBackendName, Settings
+from kvgate.gateway.server import start_gateway
+from kvgate.kvs_client.embedded import EmbeddedKVSIndex
+from kvgate.kvs_client.launch import MooncakeMasterProcess
+from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
+from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    num_engines: int
+    engine: MockEngineConfig
+    mooncake: MooncakeMasterProcess | None = None
+
+    def engine_ip(self, index: int) -> str:
+        """The loopback IP engine `index` holds its blocks at (its endpoint in the store)."""
+        return f"127.0.0.{index + 2}"
+
+
+def gateway_settings(spec: FleetSpec, policy: DispatchPolicy, engine_urls: list[str]) -> Settings:
+    """The engines' own hashing settings, plus the routing policy, instances and store address."""
+    instances = tuple(
+        InstanceConfig(id=f"engine-{i}", url=url, model=spec.engine.model, kvs_endpoints=(spec.engine_ip(i),))
+        for i, url in enumerate(engine_urls)
+    )
+    values: dict[str, Any] = {
+        **spec.engine.settings.model_dump(),
+        "host": "127.0.0.1",
+        "port": 0,
+        "dispatch_policy": policy,
+        "instances": instances,
+        "kvs_backend": KVSBackendName.MOONCAKE if spec.mooncake else KVSBackendName.EMBEDDED,
+    }
+    if spec.mooncake is not None:
+        values["kvs_metadata_service_http_server_host"] = spec.mooncake.host
+        values["kvs_metadata_service_http_server_port"] = spec.mooncake.admin_port
+    return Settings.model_validate(values)
+
+
+async def _start_engine(spec: FleetSpec, index: int, embedded: EmbeddedKVSIndex | None) -> MockEngineHandle:
+    master = spec.mooncake
+    options = PublisherOptions(
+        backend="mooncake" if master else "embedded",
+        settings=spec.engine.settings,
+        local_ip=spec.engine_ip(index),
+        **(
+            {"mooncake_master": master.rpc_address, "mooncake_metadata_url": master.metadata_url}
+            if master
+            else {}
+        ),
+    )
+    publisher = await open_publisher(options, embedded)
+    try:
+        return await start_mock_engine(spec.engine, publisher=publisher, name=f"engine-{index}")
+    except BaseException:
+        if publisher is not None:
+            await publisher.close()
+        raise
+
+
+@contextlib.asynccontextmanager
+async def running_fleet(spec: FleetSpec, policy: DispatchPolicy, tokenizer: Any) -> AsyncIterator[str]:
+    """Fresh engines (empty caches) and a gateway routing with `policy`; yields the gateway's URL.
+
+    `tokenizer` is a loaded Hugging Face tokenizer handed to the gateway (loaded once per demo).
+    """
+    embedded = None if spec.mooncake else EmbeddedKVSIndex()
+    engines: list[MockEngineHandle] = []
+    try:
+        started = await asyncio.gather(
+            *(_start_engine(spec, i, embedded) for i in range(spec.num_engines)), return_exceptions=True
+        )
+        engines = [e for e in started if isinstance(e, MockEngineHandle)]
+        failures = [e for e in started if isinstance(e, BaseException)]
+        if failures:
+            raise failures[0]
+        settings = gateway_settings(spec, policy, [engine.url for engine in engines])
+        gateway = await start_gateway(settings, kvs_index=embedded, tokenizer=tokenizer)
+        try:
+            yield gateway.url
+        finally:
+            await gateway.close()
+    finally:
+        await asyncio.gather(*(engine.close() for engine in engines))

@@ -1,0 +1,81 @@
+"""Replay one workload through the same fleet twice, round robin then cache aware, fresh each time.
+
+Both runs send identical requests at identical times to identical empty engines; only the
+gateway's policy differs, so every difference in the table is the routing's.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kvgate.bench.loadgen import ReplaySummary, ScheduledRequest, replay, summarize_replay
+from kvgate.bench.workload import ReplayRequest, build_requests, completion_body, read_trace
+from kvgate.config.settings import DispatchPolicy
+from kvgate.demo.fleet import FleetSpec, running_fleet
+
+POLICIES = (DispatchPolicy.ROUND_ROBIN, DispatchPolicy.CACHE_AWARE)
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    policy: DispatchPolicy
+    summary: ReplaySummary
+
+
+def trace_requests(path: str, limit: int, time_scale: float, max_tokens_cap: int) -> list[ReplayRequest]:
+    """The trace's first `limit` requests, arriving `time_scale` times as far apart as recorded.
+
+    The engines' GPU time is scaled by the same factor, so the fleet sees the trace's own load.
+    """
+    records = read_trace(path, limit=limit)
+    return build_requests(
+        records, speedup=1 / time_scale if time_scale > 0 else 1e9, max_tokens_cap=max_tokens_cap
+    )
+
+
+def _scheduled(requests: Sequence[ReplayRequest], model: str) -> list[ScheduledRequest]:
+    return [ScheduledRequest(r.index, r.send_at_s, orjson.dumps(completion_body(r, model))) for r in requests]
+
+
+async def run_policy(
+    spec: FleetSpec,
+    policy: DispatchPolicy,
+    requests: Sequence[ReplayRequest],
+    tokenizer: Any,
+    progress: bool = True,
+    timeout_s: float = 120.0,
+) -> PolicyRun:
+    scheduled = _scheduled(requests, spec.engine.model)
+    async with running_fleet(spec, policy, tokenizer) as gateway_url:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=len(scheduled), unit="req", desc=f"{policy.value:>12}", file=sys.stderr, leave=True
+            )
+        started = time.perf_counter()
+        try:
+            outcomes = await replay(
+                f"{gateway_url}/v1/completions",
+                scheduled,
+                timeout_s=timeout_s,
+                on_done=(lambda _: bar.update()) if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        duration = time.perf_counter() - started
+    return PolicyRun(policy, summarize_replay(outcomes, duration))
+
+
+async def run_demo(
+    spec: FleetSpec, requests: Sequence[ReplayRequest], tokenizer: Any, progress: bool = True
+) -> list[PolicyRun]:
+    return [await run_policy(spec, policy, requests, tokenizer, progress) for policy in POLICIES]
