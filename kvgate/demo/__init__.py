@@ -1,0 +1,1 @@
+"""The one-command demo: round robin vs cache-aware routing over mock engines, in one process."""
