@@ -9,7 +9,8 @@ import pytest
 
 from kvgate.cli import main
 from kvgate.config.settings import Settings
-from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate, trace_profile
+from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, trace_profile
+from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
 from kvgate.simulator.trace import TraceError, fleet_lru_hit_ratio, ideal_hit_ratio, read_trace
 
 BLOCK = 512
@@ -147,7 +148,7 @@ def test_json_report_fields_are_present_and_consistent(tmp_path, capsys):
     assert 0 < body["p50_ttft_s"] <= body["p90_ttft_s"] <= body["p99_ttft_s"]
     assert body["mean_queue_s"] >= 0 and body["throughput_rps"] > 0
     assert body["max_instance_requests"] >= body["min_instance_requests"]
-    assert body["time_scale"] == 1.0 and body["cache_capacity_blocks"] == 832
+    assert body["time_scale"] == 1.0 and body["cache_capacity_blocks"] == DEFAULT_CACHE_BLOCKS
 
 
 def test_policies_table_json_and_plot(tmp_path, capsys):

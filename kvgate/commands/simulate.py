@@ -16,6 +16,7 @@ from tabulate import tabulate
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS
 
 _POLICIES = [p.value for p in DispatchPolicy]
 # Columns of the comparison table: (summary field, header, format).
@@ -68,7 +69,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--cache-capacity-blocks",
         type=int,
-        help="KV cache of each instance in 512-token blocks (default 832, ~426K tokens)",
+        default=DEFAULT_CACHE_BLOCKS,
+        help=f"reusable KV cache of each instance in 512-token blocks (default {DEFAULT_CACHE_BLOCKS}: "
+        f"HBM {HBM_BLOCKS} + host DRAM in the Mooncake store; {HBM_BLOCKS} = HBM only)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler's random choices")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -79,7 +82,8 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Deferred: `kvgate --help` should not pay for the simulator's imports.
-    from kvgate.simulator.replay import hit_ratio_reference, simulate, trace_profile
+    from kvgate.simulator.profile import trace_profile
+    from kvgate.simulator.replay import hit_ratio_reference, simulate
     from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceError, read_trace
 
     cli_values = {name: value for name, value in vars(args).items() if name in Settings.model_fields}

@@ -80,7 +80,11 @@ class Settings(BaseModel):
     )
     dispatch_top_k: int = Field(1, ge=1, description="Choose at random among the best k instances.")
     request_local_account_staleness_s: float = Field(
-        10.0, gt=0, description="Dispatched requests never seen finishing leave the account after this."
+        600.0,
+        gt=0,
+        description="Leak net: a dispatched request with no news for this long leaves the account. "
+        "The forwarder releases every entry itself, so this matches the upstream read timeout "
+        "rather than Llumnix's 10 s, which undercounts queued prefill exactly when queues are long.",
     )
     hash_seed: str = Field("0", description="Hash seed string (env GO_HASH_SEED, as vLLM's PYTHONHASHSEED).")
 

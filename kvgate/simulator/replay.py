@@ -13,7 +13,6 @@ trace take seconds.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import random
@@ -38,20 +37,6 @@ KVS_PORT = 17901
 # Heap priorities at equal times: finished work and scrapes first, then arrivals, then step starts,
 # so an engine's next step sees every request that arrived at the instant it begins.
 _STEP_END, _SCRAPE, _ARRIVAL, _STEP_START = 0, 1, 2, 3
-
-
-def trace_profile(cache_capacity_blocks: int | None = None) -> ServiceProfile:
-    """The default simulated GPU (engine_model.profile) with the trace's 512-token blocks.
-
-    Its KV cache keeps the default's ~426K tokens (832 blocks): the HBM an 80 GB GPU has left for
-    an 8B model's KV cache. That holds ~35 average prompts of the conversation trace, while a
-    conversation returns after ~2 minutes (the median gap between a block's uses), during which
-    one instance sees ~1/8 of ~3.4 req/s x 12K tokens ~ 600K tokens: placement decides what stays.
-    """
-    profile = ServiceProfile().with_block_size(TRACE_BLOCK_TOKENS)
-    if cache_capacity_blocks is not None:
-        profile = dataclasses.replace(profile, cache_capacity_blocks=cache_capacity_blocks)
-    return profile
 
 
 def simulated_instances(count: int) -> tuple[InstanceConfig, ...]:
