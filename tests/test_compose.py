@@ -1,0 +1,177 @@
+"""docker-compose.yml without Docker: its structure, its cross-references, and every kvgate command
+line run through kvgate's own parser (`serve --check-config`, `mock-engine --check`)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from kvgate.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[dict] = COMPOSE["services"]
+SUBNET = ipaddress.ip_network(COMPOSE["networks"]["kvgate"]["ipam"]["config"][0]["subnet"])
+CONFIG_DIR = "/etc/kvgate"  # where ./deploy is mounted in kvgate containers
+
+
+def _interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with every variable unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def _argv(service: dict) -> list[str]:
+    return [_interpolate(str(arg)) for arg in service["command"]]
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return dict(arg[2:].split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+
+
+def _on_host(argv: list[str]) -> list[str]:
+    """Container paths of the mounted ./deploy -> the repository's deploy/."""
+    return [arg.replace(CONFIG_DIR, str(ROOT / "deploy")) for arg in argv]
+
+
+def _ip(name: str) -> str:
+    return SERVICES[name]["networks"]["kvgate"]["ipv4_address"]
+
+
+def _kvgate_services(command: str) -> list[str]:
+    return [name for name, s in SERVICES.items()
+            if s.get("image") == "kvgate:latest" and "entrypoint" not in s and s["command"][0] == command]
+
+
+def _config(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deploy" / name).read_text())
+
+
+def test_every_service_is_well_formed():
+    assert {"mooncake-master", "redis", "gateway", "prometheus", "engine-1"} <= set(SERVICES)
+    ips = [_ip(name) for name in SERVICES]
+    assert len(set(ips)) == len(ips)
+    for name, service in SERVICES.items():
+        assert service.get("image"), name
+        assert service.get("restart") == "unless-stopped", name
+        assert ipaddress.ip_address(_ip(name)) in SUBNET, name
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+        for dependency in service.get("depends_on", {}):
+            assert dependency in SERVICES, f"{name} depends on unknown {dependency}"
+            # A service that always runs must not wait for one that only runs in a profile.
+            assert set(SERVICES[dependency].get("profiles", [])) <= set(service.get("profiles", [])), name
+
+
+@pytest.mark.parametrize("name", _kvgate_services("serve"))
+def test_gateway_command_lines_pass_check_config(name, capsys):
+    assert main([*_on_host(_argv(SERVICES[name])), "--check-config"]) == 0
+    assert "configuration OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", _kvgate_services("mock-engine"))
+def test_mock_engine_command_lines_pass_check(name, capsys):
+    assert main([*_on_host(_argv(SERVICES[name])), "--check"]) == 0
+    assert "publishing to mooncake" in capsys.readouterr().out
+
+
+def test_mooncake_master_flags_are_known_to_the_binary():
+    binary = shutil.which("mooncake_master")
+    if binary is None:
+        pytest.skip("mooncake_master not on PATH")
+    help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
+    master = SERVICES["mooncake-master"]
+    assert master["entrypoint"] == ["mooncake_master"]
+    for flag, value in _flags(_argv(master)).items():
+        assert f"-{flag} (" in help_text, f"mooncake_master has no --{flag}"
+        if flag.endswith("host") or flag.endswith("address"):
+            assert value == _ip("mooncake-master")
+
+
+def test_mock_fleet_wiring_agrees_everywhere():
+    config = _config("kvgate.yaml")
+    master = _flags(_argv(SERVICES["mooncake-master"]))
+    assert config["kvs_metadata_service_http_server_host"] == _ip("mooncake-master")
+    assert config["kvs_metadata_service_http_server_port"] == int(master["metrics_port"])
+    assert urlsplit(config["kvs_redis_url"]).hostname == _ip("redis")
+    engines = _kvgate_services("mock-engine")
+    assert len(config["instances"]) == len(engines) == 4
+    for instance, name in zip(config["instances"], engines, strict=True):
+        flags = _flags(_argv(SERVICES[name]))
+        url = urlsplit(instance["url"])
+        assert (url.hostname, url.port) == (_ip(name), int(flags["port"]))
+        # The IP the engine publishes its blocks from is the one the gateway maps to it.
+        assert instance["kvs_endpoints"] == [flags["kvs-local-ip"]] == [_ip(name)]
+        assert flags["mooncake-master"] == f"{_ip('mooncake-master')}:{master['rpc_port']}"
+        assert flags["mooncake-metadata-url"] == (
+            f"http://{_ip('mooncake-master')}:{master['http_metadata_server_port']}/metadata"
+        )
+        assert flags["config"] == f"{CONFIG_DIR}/kvgate.yaml"
+    gateway = SERVICES["gateway"]
+    assert gateway["ports"] == [f"127.0.0.1:{config['port']}:{config['port']}"]
+    assert set(gateway["depends_on"]) == set(engines)
+
+
+def test_prometheus_scrapes_every_gateway_and_engine():
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"]
+    targets = {t for job in scrape for group in job["static_configs"] for t in group["targets"]}
+    expected = {f"{_ip('mooncake-master')}:{_flags(_argv(SERVICES['mooncake-master']))['metrics_port']}"}
+    for config_name in ("kvgate.yaml", "kvgate-vllm.yaml"):
+        config = _config(config_name)
+        gateway = next(n for n in _kvgate_services("serve") if config_name in " ".join(_argv(SERVICES[n])))
+        expected.add(f"{_ip(gateway)}:{config['port']}")
+        expected |= {urlsplit(i["url"]).netloc for i in config["instances"]}
+    assert targets == expected
+    assert SERVICES["prometheus"]["volumes"] == ["./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"]
+
+
+def test_vllm_profile_hashes_as_its_gateway_expects():
+    config = _config("kvgate-vllm.yaml")
+    mooncake = json.loads((ROOT / "deploy" / "mooncake-vllm.json").read_text())
+    master = _flags(_argv(SERVICES["mooncake-master"]))
+    assert mooncake["master_server_address"] == f"{_ip('mooncake-master')}:{master['rpc_port']}"
+    assert mooncake["metadata_server"] == (
+        f"http://{_ip('mooncake-master')}:{master['http_metadata_server_port']}/metadata"
+    )
+    vllm = [name for name, s in SERVICES.items() if s["image"].startswith("vllm/")]
+    assert len(vllm) == len(config["instances"]) == 2
+    for instance, name in zip(config["instances"], vllm, strict=True):
+        service = SERVICES[name]
+        assert service["profiles"] == ["vllm"]
+        flags = _flags(_argv(service))
+        env = service["environment"]
+        assert env["PYTHONHASHSEED"] == config["hash_seed"]
+        assert int(flags["block-size"]) == config["kvs_chunk_size"]
+        assert flags["prefix-caching-hash-algo"] == config["kvs_hash_algo"]
+        assert "--enable-prefix-caching" in _argv(service)
+        assert json.loads(flags["kv-transfer-config"])["kv_connector"] == "MooncakeStoreConnector"
+        assert env["MOONCAKE_CONFIG_PATH"] == "/etc/mooncake/mooncake.json"
+        assert flags["model"] == config["kvs_model_name"] == instance["model"]
+        assert instance["kvs_endpoints"] == [env["VLLM_HOST_IP"]] == [_ip(name)]
+        url = urlsplit(instance["url"])
+        assert (url.hostname, url.port) == (_ip(name), int(flags["port"]))
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    assert config["kvs_key_format"] == "vllm_mooncake"
+    assert SERVICES["gateway-vllm"]["profiles"] == ["vllm"]
+
+
+def test_dockerfile_copies_what_exists_and_runs_kvgate():
+    lines = [line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line and line[0] != "#"]
+    copies = [words[1:-1] for words in lines if words[0] == "COPY"]
+    for sources in copies:
+        for source in sources:
+            assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+    assert ["ENTRYPOINT", '["kvgate"]'] in lines
+    assert any(words[:2] == ["RUN", "pip"] and '".[mooncake]"' in words for words in lines)
