@@ -290,3 +290,34 @@ async def test_unknown_fields_are_ignored_and_tiny_caches_refuse_huge_prompts(en
 def test_block_size_must_match_the_chunk_size():
     with pytest.raises(ValueError, match="block size"):
         MockEngineConfig(profile=ServiceProfile(block_size=16), settings=Settings())
+
+
+def test_command_serves_text_and_chat_then_stops_on_sigterm():
+    import signal
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvgate.cli", "mock-engine", "--port", "0", "--time-scale", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert "serving on http://127.0.0.1:" in line, process.stderr.read() if process.poll() else line
+        url = line.split("serving on ")[1].split()[0]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert chat.usage.completion_tokens == 3 and chat.usage.prompt_tokens > 1
+        text = client.completions.create(model=MODEL, prompt="hello world", max_tokens=2)
+        assert len(text.choices[0].text.split()) == 2
+        client.close()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
+import signal
 import sys
 
 from kvgate.bench.loadgen import run_async
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.engine_model import ServiceProfile
 from kvgate.mock_engine.publishers import PUBLISH_BACKENDS, PublisherOptions, open_publisher
-from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, run_forever, start_mock_engine
+from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, start_mock_engine
 
 # The settings that shape the engine's keys and its tokenizer; the rest are gateway-only.
 _SETTINGS_FIELDS = (
@@ -154,29 +154,39 @@ def run(args: argparse.Namespace) -> int:
             f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}"
         )
         return 0
-    with contextlib.suppress(KeyboardInterrupt):
-        run_async(lambda: _serve(args, config, options))
+    run_async(lambda: _serve(args, config, options))
     return 0
 
 
 async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: PublisherOptions) -> None:
     from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # A stop signal closes the engine cleanly: its blocks are withdrawn from the store.
+        loop.add_signal_handler(sig, stop.set)
     s = config.settings
     tokenizer = TokenizerService(
         await asyncio.to_thread(load_tokenizer, s.tokenizer, s.chat_template), s.tokenize_cache_size
     )
-    publisher = await open_publisher(options)
-    handle = await start_mock_engine(
-        config,
-        host=s.host,
-        port=args.port,
-        tokenizer=tokenizer,
-        publisher=publisher,
-        name=f"mock-engine:{args.port}",
-    )
-    print(f"mock engine {config.model} serving on {handle.url} (publishing to {options.backend})", flush=True)
     try:
-        await run_forever(handle)
+        publisher = await open_publisher(options)
+        handle = await start_mock_engine(
+            config,
+            host=s.host,
+            port=args.port,
+            tokenizer=tokenizer,
+            publisher=publisher,
+            name=f"mock-engine:{args.port}",
+        )
+        print(
+            f"mock engine {config.model} serving on {handle.url} (publishing to {options.backend})",
+            flush=True,
+        )
+        try:
+            await stop.wait()
+        finally:
+            await handle.close()
     finally:
         tokenizer.close()

@@ -7,8 +7,6 @@ engine (aiohttp cancels the handler; its `finally` frees the slot).
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,8 +28,6 @@ from kvgate.mock_engine.openai_request import GenerationRequest, parse_generatio
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
 from kvgate.scheduler.key_formats import make_key_format
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "kvgate/mock-llm"
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -281,11 +277,3 @@ async def start_mock_engine(
         raise
     bound_port = runner.addresses[0][1]
     return MockEngineHandle(f"http://{host}:{bound_port}", engine, runner)
-
-
-async def run_forever(handle: MockEngineHandle) -> None:
-    """Serve until cancelled (Ctrl-C), then close."""
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await handle.close()
