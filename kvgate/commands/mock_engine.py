@@ -84,7 +84,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--kvs-local-ip",
         default="127.0.0.2",
-        help="loopback IP this engine's Mooncake store client binds (its endpoint in the store)",
+        help="this engine's endpoint in the store: the IP its Mooncake client binds, or the name it claims "
+        "Redis entries under; the gateway maps it to the instance (kvs_endpoints). One loopback IP per "
+        "engine (127.0.0.2, .3, ...) on a single machine",
     )
     parser.add_argument("--mooncake-master", default="127.0.0.1:50051", help="Mooncake master RPC address")
     parser.add_argument(

@@ -9,10 +9,13 @@ arrive during a step join at the next one, as on a real engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from kvgate.engine_model import EngineCore, EngineRequest, StepOutcome
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,7 @@ class EngineLoop:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+        self._task.add_done_callback(_log_crash)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -88,8 +92,7 @@ class EngineLoop:
             started = time.monotonic()
             outcome = core.step(self.model_now())
             if outcome.num_steps == 0:
-                # Nothing could be admitted and nothing runs (memory full of waiting work cannot
-                # happen without running requests), so wait for the next arrival.
+                # Nothing runs and nothing could be admitted: only an arrival can change that.
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -117,3 +120,9 @@ class EngineLoop:
         if stream is None:  # cancelled while its step was running
             return
         stream.queue.put_nowait(TokenEvent(num_tokens, finished, stream.cached_tokens))
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # A step that raises is a bug in the model; say so loudly instead of leaving requests hanging silently.
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine loop stopped", exc_info=task.exception())

@@ -9,6 +9,7 @@ delays the index, never the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Protocol
@@ -81,9 +82,12 @@ class PublicationQueue:
                 exc,
             )
 
-    async def close(self) -> None:
-        """Send what is pending, stop the task, close the publisher (which withdraws its blocks)."""
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Let the batch in flight land, send what is pending, close the publisher (which withdraws
+        this engine's blocks). Call after the engine has stopped changing its cache."""
         if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None

@@ -34,7 +34,7 @@ class PublisherOptions:
     backend: str
     settings: Settings
     # This engine's address in the store, which the gateway maps to the instance
-    # (InstanceConfig.kvs_endpoints): the loopback IP its Mooncake client binds, or the endpoint
+    # (InstanceConfig.kvs_endpoints): the IP its Mooncake client binds, or the endpoint
     # string it claims blocks under in Redis and the embedded index.
     local_ip: str = "127.0.0.2"
     mooncake_master: str = "127.0.0.1:50051"
