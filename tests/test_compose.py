@@ -46,8 +46,11 @@ def _ip(name: str) -> str:
 
 
 def _kvgate_services(command: str) -> list[str]:
-    return [name for name, s in SERVICES.items()
-            if s.get("image") == "kvgate:latest" and "entrypoint" not in s and s["command"][0] == command]
+    return [
+        name
+        for name, s in SERVICES.items()
+        if s.get("image") == "kvgate:latest" and "entrypoint" not in s and s["command"][0] == command
+    ]
 
 
 def _config(name: str) -> dict:
@@ -168,7 +171,9 @@ def test_vllm_profile_hashes_as_its_gateway_expects():
 
 
 def test_dockerfile_copies_what_exists_and_runs_kvgate():
-    lines = [line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line and line[0] != "#"]
+    lines = [
+        line.split() for line in (ROOT / "Dockerfile").read_text().splitlines() if line and line[0] != "#"
+    ]
     copies = [words[1:-1] for words in lines if words[0] == "COPY"]
     for sources in copies:
         for source in sources:

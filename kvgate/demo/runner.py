@@ -34,9 +34,7 @@ def trace_requests(path: str, limit: int, time_scale: float, max_tokens_cap: int
     The engines' GPU time is scaled by the same factor, so the fleet sees the trace's own load.
     """
     records = read_trace(path, limit=limit)
-    return build_requests(
-        records, speedup=1 / time_scale if time_scale > 0 else 1e9, max_tokens_cap=max_tokens_cap
-    )
+    return build_requests(records, speedup=1 / time_scale, max_tokens_cap=max_tokens_cap)
 
 
 def _scheduled(requests: Sequence[ReplayRequest], model: str) -> list[ScheduledRequest]:
