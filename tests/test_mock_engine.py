@@ -89,6 +89,28 @@ async def test_long_prompts_queue_behind_each_other(engine_factory):
     assert first[0] < second[0]
 
 
+async def test_chat_role_chunk_waits_for_the_prefill():
+    """As vLLM, nothing is streamed before the first token: gateways read the first chunk as it."""
+    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+
+    tokenizer = TokenizerService(load_tokenizer(), 64)
+    handle = await start_mock_engine(MockEngineConfig(time_scale=2.0), tokenizer=tokenizer)
+    words = " ".join(f"word{i}" for i in range(3000))  # several thousand tokens: ~0.5 s of prefill
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 2, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            started = time.monotonic()
+            async with session.post(handle.url + "/v1/chat/completions", json=body) as response:
+                first_event = await response.content.readline()
+                waited = time.monotonic() - started
+                rest = await response.read()
+    finally:
+        await handle.close()
+    assert b'"role":"assistant"' in first_event
+    assert waited > 0.2
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
 async def test_openai_client_completions_and_chat(engine_factory):
     from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 

@@ -208,10 +208,11 @@ class MockEngine:
         )
         await response.prepare(request)
         opener = shape.first_chunk()
-        if opener is not None:
-            await response.write(sse(opener))
 
         async def send(start: int, count: int, finished: bool) -> None:
+            # As vLLM: the chat role chunk goes out with the first token, once prefill is done.
+            if start == 0 and opener is not None:
+                await response.write(sse(opener))
             text = "".join(words[start : start + count])
             await response.write(sse(shape.text_chunk(text, "length" if finished else None)))
 
