@@ -4,7 +4,7 @@ No I/O and no clock of its own: the mock engine drives it in real time, the simu
 """
 
 from kvgate.engine_model.cache import BlockCache
-from kvgate.engine_model.core import EngineCore, EngineRequest, EngineStats, StepOutcome
+from kvgate.engine_model.core import CoreStats, EngineCore, EngineRequest, StepOutcome
 from kvgate.engine_model.profile import DecodeCost, QuadraticPrefillCost, ServiceProfile, TablePrefillCost
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "DecodeCost",
     "EngineCore",
     "EngineRequest",
-    "EngineStats",
+    "CoreStats",
     "QuadraticPrefillCost",
     "ServiceProfile",
     "StepOutcome",

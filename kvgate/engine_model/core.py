@@ -63,7 +63,7 @@ class StepOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
+class CoreStats:
     num_running: int
     num_waiting: int
     kv_cache_usage_ratio: float
@@ -163,8 +163,8 @@ class EngineCore:
         """Prompt tokens still to prefill: waiting prompts in full, running prefills' remainders."""
         return self._uncomputed
 
-    def stats(self) -> EngineStats:
-        return EngineStats(
+    def stats(self) -> CoreStats:
+        return CoreStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
             kv_cache_usage_ratio=self.cache.used_blocks / self.cache.capacity_blocks,

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvgate.engine_model import EngineStats
+from kvgate.engine_model import CoreStats
 
 # vLLM's own TTFT buckets (seconds).
 _TTFT_BUCKETS = (
@@ -41,8 +41,8 @@ _TTFT_BUCKETS = (
 )
 
 
-class _EngineStatsCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+class _CoreStatsCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats]) -> None:
         self._model_name = model_name
         self._stats = stats
 
@@ -87,9 +87,9 @@ class _EngineStatsCollector(Collector):
 class EngineMetrics:
     """The registry one mock engine serves, plus the TTFT histogram its handlers observe."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(model_name, stats))
+        self.registry.register(_CoreStatsCollector(model_name, stats))
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

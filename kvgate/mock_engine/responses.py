@@ -22,6 +22,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+def _completion_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+
+
 class ResponseShape:
     """Builds the bodies of one request: completion (`text`) or chat (`message` / `delta`)."""
 
@@ -50,41 +54,20 @@ class ResponseShape:
 
     def text_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         if self.chat:
-            choice = {
-                "index": 0,
-                "delta": {"content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        return self._chunk(choice)
+            return self._chunk(
+                {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+            )
+        return self._chunk(_completion_choice(text, finish_reason))
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return {**self._head, "choices": [], "usage": usage_body}
 
     def whole(self, text: str, finish_reason: str, usage_body: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
+            choice = _completion_choice(text, finish_reason)
         return {**self._head, "object": self._object_whole, "choices": [choice], "usage": usage_body}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
