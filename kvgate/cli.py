@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module with `add_parser(subparsers)`; imported lazily so `kvgate hash` stays fast.
@@ -31,6 +32,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # kvgate uses transformers for tokenizers only; its "PyTorch was not found" notice is noise here.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)
