@@ -336,3 +336,10 @@ def in_own_process(function: Callable[..., T], *args: Any, timeout_s: float) -> 
     """
     with get_context("spawn").Pool(processes=1) as pool:
         return pool.apply_async(function, args).get(timeout=timeout_s)
+
+
+def closed_loop_in_process(url: str, body: bytes, concurrency: int, duration_s: float,
+                           max_requests: int) -> ClosedLoopResult:
+    """Entry point for a separate process (see in_own_process)."""
+    return run_async(lambda: closed_loop(url, body, concurrency=concurrency, duration_s=duration_s,
+                                         max_requests=max_requests))
