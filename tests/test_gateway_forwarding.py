@@ -18,6 +18,7 @@ from tests.gateway_helpers import (
     closed_port_url,
     counter_value,
     gateway_settings,
+    inflight_gauges,
     tokenizer,
 )
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
@@ -155,6 +156,21 @@ async def test_client_hang_up_cancels_upstream_and_releases_the_account(fleet):
     assert counter_value(gateway, "kvgate_requests_total", route="/v1/chat/completions", status="499") == 1
 
 
+async def test_inflight_gauges_read_the_account_while_a_stream_runs(fleet):
+    gateway, upstreams = await fleet({"a": Script(chunks=3, delay_s=0.5)})
+    body = {"model": MODEL, "prompt": "some prompt", "stream": True}
+    async with aiohttp.ClientSession() as session:
+        # The gateway answers its head with the first token: meanwhile the request awaits it (0.5 s).
+        answer = asyncio.create_task(session.post(gateway.url + "/v1/completions", json=body))
+        await _until(lambda: upstreams["a"].open_streams == 1)
+        requests, prefill_tokens = await inflight_gauges(gateway.url)
+        assert requests == 1 and prefill_tokens > 0
+        async with await answer as response:
+            assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+            assert await inflight_gauges(gateway.url) == (1.0, 0.0)  # prefill done, still in flight
+    await assert_nothing_in_flight(gateway)
+
+
 async def test_hang_up_before_the_first_byte_also_releases(fleet):
     gateway, upstreams = await fleet({"a": Script(chunks=3, delay_s=1.0)})
     task = asyncio.create_task(raw_post(gateway.url, "/v1/completions", {"model": MODEL, "prompt": "p", "stream": True}))
@@ -176,6 +192,8 @@ async def test_request_id_is_propagated_or_generated(fleet):
     _, headers, _ = await raw_post(gateway.url, "/v1/completions", {"model": MODEL, "prompt": "p", "stream": True})
     generated = headers["X-Request-Id"]
     assert len(generated) == 32 and CIMultiDict(upstreams["a"].seen[1].headers)["X-Request-Id"] == generated
+    _, headers, _ = await raw_post(gateway.url, "/v1/completions", {"model": MODEL, "prompt": "p"})
+    assert len(headers["X-Request-Id"]) == 32 and headers["X-Request-Id"] != generated
     # Errors carry it too.
     _, headers, _ = await raw_post(gateway.url, "/v1/completions", {"model": "nope", "prompt": "p"},
                                    headers={"X-Request-Id": "rid-err"})

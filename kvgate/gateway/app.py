@@ -31,12 +31,14 @@ from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.router import Scheduler
 
-# How often stale dispatch entries are dropped from the account (its staleness is seconds).
+# How often stale dispatch entries are dropped from the account (its staleness is seconds) and
+# idle upstream connections past their keep-alive are closed.
 _EXPIRY_INTERVAL_S = 1.0
 
 
@@ -90,9 +92,10 @@ def build_app(
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY]
     settings = gateway.settings
-    # One pooled session for every upstream call; no connection cap (engines queue, not us).
+    # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
+    upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
+    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    gateway.forwarder = Forwarder(session, settings, gateway.registry, gateway.tracker, gateway.metrics)
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
     poller = EngineStatsPoller(gateway.registry, session, gateway.account,
@@ -100,11 +103,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
     async def expire() -> None:
         gateway.tracker.expire()
+        upstream.close_idle()
 
     jobs: list[tuple[float, Callable[[], Awaitable[None]], str]] = [
         (settings.health_check_interval_s, checker.check_all, "health checks"),
         (settings.stats_poll_interval_s, poller.poll_all, "engine stats"),
-        (_EXPIRY_INTERVAL_S, expire, "account expiry"),
+        (_EXPIRY_INTERVAL_S, expire, "account expiry and idle connections"),
     ]
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
     try:
@@ -114,6 +118,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await session.close()
+        upstream.close()
         await gateway.kvs.close()
         gateway.tokenizer.close()
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import time
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -27,13 +26,16 @@ from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlan
+from kvgate.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvgate.metrics.definitions import GatewayMetrics
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+# TimeoutError and connection failures are OSErrors.
+_UPSTREAM_ERRORS = (OSError, UpstreamError)
 # Client headers an engine may need (its own API key); everything else stays at the gateway.
 _PASSED_HEADERS = ("Authorization",)
 _SSE_DONE = b"data: [DONE]\n\n"
+_FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
 
 class _RetryableFailure(Exception):
@@ -43,24 +45,18 @@ class _RetryableFailure(Exception):
 class Forwarder:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         settings: Settings,
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
     ) -> None:
-        self._session = session
+        self._upstream = upstream
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
         self._max_attempts = 1 + settings.forward_retries
         self._forward_token_ids = settings.forward_token_ids
-        self._timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=settings.upstream_connect_timeout_s,
-            sock_connect=settings.upstream_connect_timeout_s,
-            sock_read=settings.upstream_read_timeout_s,
-        )
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
 
@@ -69,8 +65,7 @@ class Forwarder:
     ) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         payload = self._payload(parsed, plan)
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
-        headers.update({h: request.headers[h] for h in _PASSED_HEADERS if h in request.headers})
+        headers = _upstream_headers(request, request_id)
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -90,9 +85,8 @@ class Forwarder:
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
             try:
-                response = await self._attempt(
-                    request, key, state.config.url.rstrip("/") + path, payload, headers, request_id, arrived
-                )
+                response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
+                                               arrived)
             except _RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 last_failed = instance_id
@@ -115,48 +109,41 @@ class Forwarder:
         request: web.Request,
         key: str,
         url: str,
+        path: str,
         payload: bytes,
-        headers: dict[str, str],
+        headers: str,
         request_id: str,
         arrived: float,
     ) -> web.StreamResponse:
         try:
-            upstream = await self._session.post(url, data=payload, headers=headers, timeout=self._timeout)
+            upstream = await self._upstream.post(url, path, headers, payload)
         except _UPSTREAM_ERRORS as exc:
             raise _RetryableFailure(_describe(exc)) from None
-        finished = False
         try:
             if upstream.status >= 500:
                 raise _RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
-            if upstream.status != 200 or upstream.content_type != "text/event-stream":
+            if upstream.status != 200 or upstream.media_type != "text/event-stream":
                 # Whole answers (JSON, relayed 4xx) are small: read them completely, so a break
                 # half-way is still retryable.
                 body = await upstream.read()
-                finished = True
                 self._first_byte(key, arrived)
-                return web.Response(
-                    status=upstream.status,
-                    body=body,
-                    headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
-                             REQUEST_ID_HEADER: request_id},
-                )
-            response = await self._relay_stream(request, upstream, key, request_id, arrived)
-            finished = upstream.content.at_eof()
-            return response
+                response_headers = {"Content-Type": upstream.content_type or "application/json",
+                                    REQUEST_ID_HEADER: request_id}
+                if upstream.content_encoding:
+                    response_headers["Content-Encoding"] = upstream.content_encoding
+                return web.Response(status=upstream.status, body=body, headers=response_headers)
+            return await self._relay_stream(request, upstream, key, request_id, arrived)
         except _UPSTREAM_ERRORS as exc:
             raise _RetryableFailure(_describe(exc)) from None
         finally:
-            # A connection with an unread answer cannot be reused; closing it also tells the
-            # engine to abort (client hang-up, failures).
-            if finished:
-                upstream.release()
-            else:
-                upstream.close()
+            # Back to the pool only if the answer was read to its end; otherwise the connection is
+            # closed, which also tells the engine to abort (client hang-up, failures).
+            upstream.release()
 
     async def _relay_stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         key: str,
         request_id: str,
         arrived: float,
@@ -165,7 +152,7 @@ class Forwarder:
         pending = b""  # bytes of an event not yet complete
         while True:
             try:
-                chunk = await upstream.content.readany()
+                chunk = await upstream.read_chunk()
             except _UPSTREAM_ERRORS as exc:
                 if response is None:
                     raise _RetryableFailure(_describe(exc)) from None
@@ -224,11 +211,31 @@ async def _end_with_error(response: web.StreamResponse, message: str) -> None:
         await response.write_eof()
 
 
-async def _excerpt(upstream: aiohttp.ClientResponse, limit: int = 300) -> str:
+async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
+    text = b""
     try:
-        return (await upstream.content.read(limit)).decode("utf-8", "replace")
+        while len(text) < limit and (chunk := await upstream.read_chunk()):
+            text += chunk
     except _UPSTREAM_ERRORS:
-        return "(no body)"
+        pass
+    return text[:limit].decode("utf-8", "replace") if text else "(no body)"
+
+
+def _upstream_headers(request: web.Request, request_id: str) -> str:
+    """The request's header lines for the engine: fixed ones, the request id and the passed ones."""
+    lines = [_FIXED_HEADERS, _header_line(REQUEST_ID_HEADER, request_id)]
+    for name in _PASSED_HEADERS:
+        value = request.headers.get(name)
+        if value is not None:
+            lines.append(_header_line(name, value))
+    return "".join(lines)
+
+
+def _header_line(name: str, value: str) -> str:
+    # aiohttp's parser never lets a line break into a value; checked anyway, as this text is sent raw.
+    if "\r" in value or "\n" in value:
+        raise APIError(400, f"invalid {name} header", param=name)
+    return f"{name}: {value}\r\n"
 
 
 def _describe(exc: BaseException) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -17,7 +19,16 @@ REQUEST_ID = web.RequestKey("request_id", str)
 CLIENT_CLOSED = "499"
 
 
+def request_ids() -> Callable[[], str]:
+    """Unique ids of 32 hex digits: a random per-process half, then a counter. They label logs and
+    engine requests and need not be unguessable, so no system call (urandom) per request."""
+    prefix = secrets.token_hex(8)
+    counter = itertools.count()
+    return lambda: f"{prefix}{next(counter):016x}"
+
+
 def observe_middleware(metrics: GatewayMetrics):
+    new_request_id = request_ids()
     counters: dict[tuple[str, str], Any] = {}  # (route, status) -> child; labels() is slow-ish
 
     def count(route: str, status: str) -> None:
@@ -28,7 +39,7 @@ def observe_middleware(metrics: GatewayMetrics):
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or secrets.token_hex(16)
+        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
         request[REQUEST_ID] = request_id
         resource = request.match_info.route.resource
         # Unmatched paths share one label so scanners cannot blow up the metric's cardinality.

@@ -55,6 +55,7 @@ class InstanceRegistry:
     ) -> None:
         self._states: dict[str, InstanceState] = {cfg.id: InstanceState(cfg) for cfg in instances}
         self._on_change = on_change
+        self._served = frozenset(state.config.model for state in self._states.values())  # asked per request
 
     def get(self, instance_id: str) -> InstanceState | None:
         return self._states.get(instance_id)
@@ -66,10 +67,10 @@ class InstanceRegistry:
         return tuple(state.config for state in self._states.values())
 
     def models(self) -> list[str]:
-        return sorted({state.config.model for state in self._states.values()})
+        return sorted(self._served)
 
     def serves(self, model: str) -> bool:
-        return any(state.config.model == model for state in self._states.values())
+        return model in self._served
 
     def routable(self, model: str) -> list[InstanceState]:
         return [s for s in self._states.values() if s.config.model == model and s.routable]
@@ -113,5 +114,6 @@ class InstanceRegistry:
         return state
 
     def _changed(self) -> None:
+        self._served = frozenset(state.config.model for state in self._states.values())
         if self._on_change is not None:
             self._on_change(self.configs())

@@ -43,7 +43,10 @@ class RoutePlan:
         return len(self.prompt_ids)
 
     def score(self, instance_id: str) -> InstanceScore | None:
-        return next((s for s in self.decision.scores if s.id == instance_id), None)
+        for score in self.decision.scores:
+            if score.id == instance_id:
+                return score
+        return None
 
     def miss_tokens(self, instance_id: str) -> int:
         """Prompt tokens the instance must compute (the whole prompt when it holds nothing)."""
@@ -51,8 +54,10 @@ class RoutePlan:
         return score.prefix_miss_tokens if score is not None else self.num_prompt_tokens
 
     def queued_prefill_tokens(self, instance_id: str) -> int:
-        candidate = next((c for c in self.candidates if c.id == instance_id), None)
-        return candidate.load.all_prefills_tokens_num if candidate is not None else 0
+        for candidate in self.candidates:
+            if candidate.id == instance_id:
+                return candidate.load.all_prefills_tokens_num
+        return 0
 
 
 class RoutePlanner:
@@ -80,9 +85,14 @@ class RoutePlanner:
         if not self._registry.serves(request.model):
             raise APIError(404, f"the model '{request.model}' does not exist; see GET /v1/models",
                            param="model", code="model_not_found")
-        prompt_ids = await self._timed("tokenize", self._prompt_ids(request))
-
         started = time.perf_counter()
+        try:
+            prompt_ids = await self._prompt_ids(request)
+        finally:
+            tokenized = time.perf_counter()
+            self._stage["tokenize"].observe(tokenized - started)
+
+        started = tokenized
         wants_kvs = self._scheduler.wants_kvs(len(prompt_ids))
         blocks = await self._block_hashes(prompt_ids) if wants_kvs or explain else []
         keys = self._scheduler.block_keys(blocks) if blocks else []
@@ -123,10 +133,3 @@ class RoutePlanner:
             return self._scheduler.block_hashes(prompt_ids)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._scheduler.block_hashes, prompt_ids)
-
-    async def _timed(self, stage: str, awaitable):
-        started = time.perf_counter()
-        try:
-            return await awaitable
-        finally:
-            self._stage[stage].observe(time.perf_counter() - started)

@@ -1,0 +1,354 @@
+"""The gateway's HTTP/1.1 client for engines: pooled keep-alive connections, parsed by llhttp.
+
+Why not aiohttp's client: the gateway sends one kind of request (a POST with a body it already
+holds) and relays the answer as bytes. aiohttp's general client (cookies, redirects, auto
+decompression, tracing, per-request timeout objects) cost about 0.1 ms of CPU per request, as much
+as everything else the gateway does together (measured with `kvgate bench overhead`). Here the
+framing (Content-Length, chunked, 1xx, keep-alive) is left to httptools (llhttp, the parser
+Node.js uses); this module only pools connections, enforces the timeouts and hands the body over.
+
+Timeouts, with aiohttp's meanings: `connect_timeout_s` bounds opening a connection; `read_timeout_s`
+bounds each wait for the engine's next bytes (the head, then every chunk of the body) and is
+suspended while the relay holds reading back for a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+# Idle connections older than this are closed, not reused: engines' HTTP servers (uvicorn, under
+# vLLM and SGLang) drop idle keep-alive connections after 5 s, and a request sent on a connection
+# the server is closing fails for nothing.
+IDLE_TIMEOUT_S = 4.0
+# Body bytes buffered from the engine before reading pauses (the client reads slower than it writes).
+_BUFFER_HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """The engine's answer broke: the connection closed early or the HTTP framing was invalid."""
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where an instance URL points, split once: host and port to dial, path prefix, Host header."""
+
+    host: str
+    port: int
+    tls: bool
+    base_path: str
+    host_header: str
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        return cls(parts.hostname, port, tls, parts.path.rstrip("/"), parts.netloc.rpartition("@")[2])
+
+
+class UpstreamResponse:
+    """One answer being read. `release()` must follow (a `finally`): it returns the connection to
+    the pool when the answer was read to its end, and closes it otherwise, which also tells the
+    engine to stop working on the request."""
+
+    __slots__ = ("_connection", "status", "content_type", "content_encoding")
+
+    def __init__(self, connection: _Connection, status: int, content_type: str, content_encoding: str) -> None:
+        self._connection = connection
+        self.status = status
+        self.content_type = content_type  # as sent, parameters included ("" when absent)
+        self.content_encoding = content_encoding
+
+    @property
+    def media_type(self) -> str:
+        return self.content_type.partition(";")[0].strip().lower()
+
+    @property
+    def complete(self) -> bool:
+        return self._connection.message_complete
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self._connection.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def read_chunk(self) -> bytes:
+        """The body bytes received since the last call, waiting for some; b"" once the body ended."""
+        return await self._connection.read_chunk()
+
+    def release(self) -> None:
+        self._connection.finish()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection carrying one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, url: str) -> None:
+        self._pool = pool
+        self.url = url
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._read_timeout_s = 0.0
+        # Per-answer state.
+        self._busy = False
+        self._head: asyncio.Future[UpstreamResponse] | None = None
+        self._content_type = b""
+        self._content_encoding = b""
+        self._framed = False  # Content-Length or Transfer-Encoding given: the body does not end at close
+        self.message_complete = False
+        self._keep_alive = False
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._reader: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+        self._paused = False
+        self._last_data = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy:  # bytes nobody asked for: the connection is out of step, drop it
+            self._close()
+            return
+        self._last_data = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"invalid HTTP answer: {exc}"))
+            self._close()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pool.forget(self)
+        if self._busy and not self.message_complete:
+            if self._head is None and not self._framed:
+                self.message_complete = True  # an HTTP/1.0-style body: it ends where the connection does
+                self._wake()
+            else:
+                self._fail(UpstreamError("the engine closed the connection before the answer ended"))
+
+    def pause_writing(self) -> None:  # a request body larger than the socket buffer: the transport queues it
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # --- httptools callbacks ---
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lowered = name.lower()
+        if lowered == b"content-type":
+            self._content_type = value
+        elif lowered == b"content-encoding":
+            self._content_encoding = value
+        elif lowered in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:  # 100 Continue and friends precede the real answer
+            self._content_type = self._content_encoding = b""
+            self._framed = False
+            return
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_result(UpstreamResponse(self, status, self._content_type.decode("latin-1"),
+                                             self._content_encoding.decode("latin-1")))
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+        self._buffered += len(body)
+        if self._buffered > _BUFFER_HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._head is not None:  # the end of a 1xx answer
+            return
+        self.message_complete = True
+        self._keep_alive = self._parser.should_keep_alive()
+        self._wake()
+
+    # --- used by the pool and UpstreamResponse ---
+
+    def send(self, request: Sequence[bytes], read_timeout_s: float) -> asyncio.Future[UpstreamResponse]:
+        assert self._transport is not None
+        self._busy = True
+        self._head = self._loop.create_future()
+        self._read_timeout_s = read_timeout_s
+        self._last_data = self._loop.time()
+        self._timer = self._loop.call_at(self._last_data + read_timeout_s, self._check_timeout)
+        self._transport.writelines(request)
+        return self._head
+
+    async def read_chunk(self) -> bytes:
+        while not self._body:
+            if self._error is not None:
+                raise self._error
+            if self.message_complete:
+                return b""
+            self._reader = self._loop.create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
+        chunk = b"".join(self._body) if len(self._body) > 1 else self._body[0]
+        self._body.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._last_data = self._loop.time()  # the read timeout was suspended meanwhile
+            self._transport.resume_reading()
+        return chunk
+
+    def finish(self) -> None:
+        """End of the exchange: back to the pool if the answer was read whole, closed otherwise."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        reusable = self.message_complete and self._keep_alive and not self._body and not self.closed
+        self._busy = False
+        self._head = None
+        self._content_type = self._content_encoding = b""
+        self._framed = False
+        self.message_complete = self._keep_alive = False
+        self._body.clear()
+        self._buffered = 0
+        if reusable:
+            self._pool.put(self)
+        else:
+            self._close()
+
+    # --- internals ---
+
+    def _check_timeout(self) -> None:
+        self._timer = None
+        if not self._busy or self.message_complete:
+            return
+        due = self._last_data + self._read_timeout_s
+        if self._paused or due > self._loop.time():
+            self._timer = self._loop.call_at(max(due, self._loop.time() + 0.001), self._check_timeout)
+            return
+        self._fail(TimeoutError())
+        self._close()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+    def _close(self) -> None:
+        self.closed = True
+        self._pool.forget(self)
+        if self._transport is not None:
+            self._transport.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections per endpoint, most recently used first; no cap (engines queue, not us)."""
+
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._idle: dict[str, list[_Connection]] = {}  # by instance URL
+        self._endpoints: dict[str, Endpoint] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    async def post(self, url: str, path: str, headers: str, body: bytes) -> UpstreamResponse:
+        """Send `POST path` to the instance at `url` with `headers` (complete "Name: value\\r\\n" lines)
+        and `body`; return once the answer's head arrived. Raises OSError (connect errors, TimeoutError)
+        or UpstreamError."""
+        endpoint = self._endpoints.get(url)
+        if endpoint is None:
+            endpoint = self._endpoints[url] = Endpoint.parse(url)
+        connection = self._idle_connection(url)
+        if connection is None:
+            connection = await self._connect(url, endpoint)
+        head = (f"POST {endpoint.base_path}{path} HTTP/1.1\r\nHost: {endpoint.host_header}\r\n{headers}"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("utf-8", "surrogateescape")
+        waiting = connection.send((head, body), self._read_timeout_s)
+        try:
+            return await waiting
+        except BaseException:
+            connection.finish()  # closes it: the answer was not read
+            raise
+
+    def put(self, connection: _Connection) -> None:
+        connection.idle_since = asyncio.get_running_loop().time()
+        self._idle.setdefault(connection.url, []).append(connection)
+
+    def forget(self, connection: _Connection) -> None:
+        idle = self._idle.get(connection.url)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+    def close_idle(self, older_than_s: float = IDLE_TIMEOUT_S) -> None:
+        """Close connections idle longer than `older_than_s`."""
+        oldest = asyncio.get_running_loop().time() - older_than_s
+        for idle in list(self._idle.values()):
+            for connection in [c for c in idle if c.idle_since <= oldest]:
+                connection.finish()  # not busy and nothing read: closes it, and forget() unlists it
+
+    def close(self) -> None:
+        """Close every idle connection (at shutdown; busy ones close as their requests end)."""
+        self.close_idle(older_than_s=-1.0)
+
+    def idle_count(self) -> int:
+        return sum(len(idle) for idle in self._idle.values())
+
+    def _idle_connection(self, url: str) -> _Connection | None:
+        idle = self._idle.get(url)
+        if not idle:
+            return None
+        fresh_after = asyncio.get_running_loop().time() - IDLE_TIMEOUT_S
+        while idle:
+            connection = idle.pop()
+            if not connection.closed and connection.idle_since > fresh_after:
+                return connection
+            connection.finish()
+        return None
+
+    async def _connect(self, url: str, endpoint: Endpoint) -> _Connection:
+        loop = asyncio.get_running_loop()
+        tls = None
+        if endpoint.tls:
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            tls = self._tls
+        async with asyncio.timeout(self._connect_timeout_s):
+            _, connection = await loop.create_connection(
+                lambda: _Connection(self, url), endpoint.host, endpoint.port, ssl=tls,
+                server_hostname=endpoint.host if tls else None,
+            )
+        return connection
