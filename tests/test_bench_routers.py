@@ -3,6 +3,7 @@ virtualenv check, target parsing, the generated kvgate config, CPU split, figure
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -19,10 +20,12 @@ from kvgate.bench.routers import (
     TargetResult,
     added_latency_ms,
     cpu_split,
+    gateway_stage_ms,
     kvgate_config,
     pinned,
     plot,
     results_json,
+    serves_tokenize,
     table_rows,
 )
 from kvgate.config.settings import DispatchPolicy, Settings
@@ -76,6 +79,9 @@ def test_targets():
         Target.parse("nginx:round_robin")
     with pytest.raises(ValueError, match="policy"):
         Target.parse("kvgate:random")
+    with pytest.raises(ValueError, match="policy"):
+        Target.parse("sglang-router:prefix")  # peers only share kvgate's two policies
+    assert Target.parse("kvgate:prefix") == Target("kvgate", "prefix")  # any kvgate policy
     assert DEFAULT_TARGETS[0] == Target(DIRECT) and len(DEFAULT_TARGETS) == 7
 
 
@@ -101,6 +107,40 @@ def test_cpu_split_and_pinning():
     assert os.sched_getaffinity(0) == available
 
 
+async def test_gateway_stage_means_and_tokenize_probe():
+    """Read over real HTTP: kvgate's stage histogram, and a backend that does not serve /tokenize."""
+    from aiohttp import web
+
+    from kvgate.bench.instant_backend import make_app
+
+    metrics = "\n".join([
+        "# TYPE kvgate_stage_seconds histogram",
+        'kvgate_stage_seconds_bucket{stage="tokenize",le="+Inf"} 4.0',
+        'kvgate_stage_seconds_count{stage="tokenize"} 4.0',
+        'kvgate_stage_seconds_sum{stage="tokenize"} 0.2',
+        'kvgate_stage_seconds_bucket{stage="kvs",le="+Inf"} 2.0',
+        'kvgate_stage_seconds_count{stage="kvs"} 2.0',
+        'kvgate_stage_seconds_sum{stage="kvs"} 0.003',
+    ]) + "\n"
+    async def gateway_metrics(request: web.Request) -> web.Response:
+        return web.Response(text=metrics)
+
+    app = make_app("m")
+    app.router.add_get("/gateway-metrics/metrics", gateway_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        stages = await asyncio.to_thread(gateway_stage_ms, url + "/gateway-metrics")
+        tokenize = await asyncio.to_thread(serves_tokenize, Engine(url, ""))
+    finally:
+        await runner.cleanup()
+    assert stages == {"tokenize": pytest.approx(50.0), "kvs": pytest.approx(1.5)}
+    assert tokenize is False
+
+
 def loop(concurrency: int, latencies_ms: list[float], rate: float) -> ClosedLoopResult:
     values = [v / 1000 for v in latencies_ms]
     return ClosedLoopResult(concurrency, len(values), {}, 1.0, rate, LatencyStats.of(values), tuple(sorted(values)))
@@ -113,7 +153,7 @@ def sample_results() -> list[TargetResult]:
     outcomes = [StreamOutcome(0, ttft_s=0.1, prompt_tokens=100, cached_tokens=40, completion_tokens=2),
                 StreamOutcome(1, error="http_503")]
     routed = TargetResult(Target("kvgate", "cache_aware"), replay=summarize_replay(outcomes, 1.0),
-                          ttfts_s=(0.1,), engine_prompt_tokens=(300, 100),
+                          ttfts_s=(0.1,), engine_prompt_tokens=(300, 100), gateway_stage_ms={"tokenize": 42.0},
                           overhead={1: loop(1, [1.5, 1.5, 3.5], 900), 32: loop(32, [5.0], 6000)})
     missing = TargetResult(Target("vllm-router", "round_robin"), status="unavailable", reason="pip install failed")
     return [direct, routed, missing]
@@ -133,6 +173,7 @@ def test_figures_are_differences_from_direct():
     assert "http_503 1" in by_target["kvgate cache_aware"]["note"]
     assert by_target["direct"]["+p50 c1 ms"] == "(1.00)"  # the baseline shows its absolute latency
     assert by_target["vllm-router round_robin"]["note"] == "pip install failed"
+    assert by_target["kvgate cache_aware"]["note"].startswith("tokenize stage 42 ms/req")
     document = results_json(RoutersConfig(trace="t.jsonl"), [direct, routed, missing])
     assert document["results"][1]["overhead"]["1"]["added_p50_ms"] == pytest.approx(0.5)
     assert document["results"][2]["status"] == "unavailable"

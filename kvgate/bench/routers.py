@@ -39,6 +39,7 @@ from kvgate.bench import peers
 from kvgate.bench.loadgen import ClosedLoopResult, ReplaySummary, closed_loop_in_process, in_own_process
 from kvgate.bench.replay import ReplayConfig, replay_in_process
 from kvgate.bench.workload import read_trace
+from kvgate.config.settings import DispatchPolicy
 from kvgate.kvs_client.launch import LocalProcess, ServiceStartError, free_port, start_redis_server
 
 KVGATE = "kvgate"
@@ -66,8 +67,10 @@ class Target:
             return cls(DIRECT)
         if router not in (KVGATE, *peers.PEER_VERSIONS):
             raise ValueError(f"unknown router {router!r}; choose from {[KVGATE, *peers.PEER_VERSIONS, DIRECT]}")
-        if policy not in peers.PEER_POLICIES:
-            raise ValueError(f"{text!r}: policy must be one of {list(peers.PEER_POLICIES)}")
+        # kvgate takes any of its dispatch policies (e.g. kvgate:prefix); peers the two they share.
+        policies = [p.value for p in DispatchPolicy] if router == KVGATE else list(peers.PEER_POLICIES)
+        if policy not in policies:
+            raise ValueError(f"{text!r}: policy must be one of {policies}")
         return cls(router, policy)
 
 
@@ -81,10 +84,10 @@ DEFAULT_TARGETS = (
 class RoutersConfig:
     trace: str
     engines: int = 4
-    # KV blocks of 256 tokens per engine: 2.1M tokens, an 80 GB GPU's HBM (426K tokens) plus a
-    # host-memory tier (vLLM CPU offload, SGLang HiCache L2). With HBM alone most of the trace's
-    # reuse is evicted before it comes back and no router has hits to find.
-    cache_capacity_blocks: int = 8192
+    # KV blocks of 256 tokens per engine: ~3.4M tokens, an 80 GB GPU's HBM (426K tokens) plus the
+    # host DRAM it lends to a KV store, as `kvgate simulate` assumes (docs/BENCHMARKS.md). With HBM
+    # alone most of the trace's reuse is evicted before it comes back and no router finds hits.
+    cache_capacity_blocks: int = 13312
     # speedup x time_scale = 1: the engines see the trace's real load, only faster. Kept small
     # because routers' CPU work (tokenizing, hashing) is not scaled: at 10x a tokenizing router
     # does ten times its real work per unit of engine time, on the engines' cores.
@@ -115,6 +118,10 @@ class TargetResult:
     ttfts_s: tuple[float, ...] = ()
     # Prompt tokens each engine was asked to compute (its vllm:prefix_cache_queries counter): the spread.
     engine_prompt_tokens: tuple[int, ...] = ()
+    # kvgate only: mean milliseconds per request in each gateway stage (tokenize, kvs, schedule).
+    gateway_stage_ms: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    load_average: tuple[float, float, float] | None = None  # 1-min load when the target finished
     overhead: dict[int, ClosedLoopResult] = field(default_factory=dict)
 
     @property
@@ -279,16 +286,45 @@ def _replay_phase(config: RoutersConfig, base_url: str, result: TargetResult, bu
     result.ttfts_s = report.ttfts_s
 
 
-def engine_prompt_tokens(engine: Engine) -> int:
-    """The engine's vllm:prefix_cache_queries_total (prompt tokens it looked up), from /metrics."""
+def _metric_families(base_url: str):
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=5.0) as response:
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5.0) as response:
+        return list(text_string_to_metric_families(response.read().decode()))
+
+
+def engine_prompt_tokens(engine: Engine) -> int:
+    """The engine's vllm:prefix_cache_queries_total (prompt tokens it looked up), from /metrics."""
+    for family in _metric_families(engine.url):
         if family.name == "vllm:prefix_cache_queries":
             return int(sum(sample.value for sample in family.samples if sample.name.endswith("_total")))
     raise RuntimeError(f"{engine.url}/metrics has no vllm:prefix_cache_queries_total")
+
+
+def gateway_stage_ms(gateway_url: str) -> dict[str, float]:
+    """Mean milliseconds per request of each stage of kvgate's kvgate_stage_seconds histogram."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for family in _metric_families(gateway_url):
+        if family.name == "kvgate_stage_seconds":
+            for sample in family.samples:
+                stage = sample.labels.get("stage", "")
+                if sample.name.endswith("_sum"):
+                    sums[stage] = sample.value
+                elif sample.name.endswith("_count"):
+                    counts[stage] = sample.value
+    return {stage: sums[stage] / counts[stage] * 1000 for stage in sums if counts.get(stage)}
+
+
+def serves_tokenize(engine: Engine) -> bool:
+    """Whether the engine answers vLLM's POST /tokenize (vllm-router's cache_aware asks every worker)."""
+    body = json.dumps({"model": MODEL, "prompt": "probe"}).encode()
+    request = urllib.request.Request(f"{engine.url}/tokenize", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5.0) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
 
 
 def _overhead_phase(config: RoutersConfig, base_url: str, result: TargetResult) -> None:
@@ -336,9 +372,14 @@ def run_targets(config: RoutersConfig, log_dir: Path) -> list[TargetResult]:
                                    router_cpus) as url:
                         _replay_phase(config, url, result, replay_budget_s)
                         result.engine_prompt_tokens = tuple(engine_prompt_tokens(e) for e in engines)
+                        if target.router == KVGATE:
+                            result.gateway_stage_ms = gateway_stage_ms(url)
+                        if target == Target("vllm-router", "cache_aware") and not serves_tokenize(engines[0]):
+                            result.notes.append("engines answer 404 to /tokenize: its tree works without token ids")
                 log(f"[{number}/{len(config.targets)}] {target.label}: overhead")
                 with router(target, fast, env, redis.url, config.tokenizer, log_dir, "overhead") as url:
                     _overhead_phase(config, url, result)
+                result.load_average = os.getloadavg()
             except (ServiceStartError, multiprocessing.TimeoutError, OSError, RuntimeError) as exc:
                 result.status = "failed"
                 result.reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -404,10 +445,13 @@ def table_rows(results: Sequence[TargetResult], concurrency: Sequence[int]) -> t
                 row += [_fmt(added_latency_ms(r, baseline, c, "p50")), _fmt(added_latency_ms(r, baseline, c, "p99"))]
         loop = r.overhead.get(top)
         row.append(_fmt(loop.requests_per_s if loop else None, "{:,.0f}"))
-        note = r.reason if r.status != "ok" else ("absolute latency (baseline)" if r is baseline else "")
+        notes = [r.reason] if r.status != "ok" else (["absolute latency (baseline)"] if r is baseline else [])
+        if "tokenize" in r.gateway_stage_ms:
+            notes.append(f"tokenize stage {r.gateway_stage_ms['tokenize']:.0f} ms/req")
+        notes += r.notes
         if replay and replay.errors:
-            note = "; ".join(filter(None, [note, ", ".join(f"{k} {v}" for k, v in replay.errors.items())]))
-        row.append(note)
+            notes.append(", ".join(f"{k} {v}" for k, v in replay.errors.items()))
+        row.append("; ".join(notes))
         rows.append(row)
     return headers, rows
 
@@ -427,6 +471,7 @@ def results_json(config: RoutersConfig, results: Sequence[TargetResult]) -> dict
         out.append({"target": r.target.label, "status": r.status, "reason": r.reason,
                     "replay": r.replay.to_dict() if r.replay else None,
                     "engine_prompt_tokens": list(r.engine_prompt_tokens), "load_skew": r.load_skew,
+                    "gateway_stage_ms": r.gateway_stage_ms, "notes": r.notes, "load_average": r.load_average,
                     "overhead": overhead})
     settings = {k: v for k, v in asdict(config).items() if k not in ("targets", "venv_dir", "log_dir")}
     return {"config": settings, "results": out}
@@ -555,6 +600,10 @@ def run(args: argparse.Namespace) -> int:
           f"first {config.limit} requests at {config.speedup}x, output capped at {config.max_tokens_cap} tokens; "
           f"overhead: {_OVERHEAD_PROMPT.__len__()} B prompt, max_tokens 1, {config.overhead_duration_s:.0f} s per "
           f"loop; run took {time.monotonic() - started:.0f} s")
+    loads = [r.load_average[0] for r in results if r.load_average]
+    if loads:
+        print(f"1-minute load average after each target: {min(loads):.2f} .. {max(loads):.2f} "
+              f"on {os.cpu_count()} CPUs (other work on the machine moves every figure)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results_json(config, results), indent=2))
