@@ -43,10 +43,11 @@ class RoutePlan:
         return len(self.prompt_ids)
 
     def score(self, instance_id: str) -> InstanceScore | None:
-        for score in self.decision.scores:
-            if score.id == instance_id:
-                return score
-        return None
+        # Scores are in ranking order and may be built when read: fetch only the one asked for.
+        try:
+            return self.decision.scores[self.decision.ranking.index(instance_id)]
+        except ValueError:
+            return None
 
     def miss_tokens(self, instance_id: str) -> int:
         """Prompt tokens the instance must compute (the whole prompt when it holds nothing)."""

@@ -97,7 +97,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, url: str) -> None:
         self._pool = pool
         self.url = url
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # kept: get_running_loop() costs a getpid() call on 3.11
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self.closed = False
@@ -129,7 +129,7 @@ class _Connection(asyncio.Protocol):
         if not self._busy:  # bytes nobody asked for: the connection is out of step, drop it
             self._close()
             return
-        self._last_data = self._loop.time()
+        self._last_data = self.loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -197,10 +197,10 @@ class _Connection(asyncio.Protocol):
     def send(self, request: Sequence[bytes], read_timeout_s: float) -> asyncio.Future[UpstreamResponse]:
         assert self._transport is not None
         self._busy = True
-        self._head = self._loop.create_future()
+        self._head = self.loop.create_future()
         self._read_timeout_s = read_timeout_s
-        self._last_data = self._loop.time()
-        self._timer = self._loop.call_at(self._last_data + read_timeout_s, self._check_timeout)
+        self._last_data = self.loop.time()
+        self._timer = self.loop.call_at(self._last_data + read_timeout_s, self._check_timeout)
         self._transport.writelines(request)
         return self._head
 
@@ -210,7 +210,7 @@ class _Connection(asyncio.Protocol):
                 raise self._error
             if self.message_complete:
                 return b""
-            self._reader = self._loop.create_future()
+            self._reader = self.loop.create_future()
             try:
                 await self._reader
             finally:
@@ -220,7 +220,7 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         if self._paused and self._transport is not None:
             self._paused = False
-            self._last_data = self._loop.time()  # the read timeout was suspended meanwhile
+            self._last_data = self.loop.time()  # the read timeout was suspended meanwhile
             self._transport.resume_reading()
         return chunk
 
@@ -249,8 +249,8 @@ class _Connection(asyncio.Protocol):
         if not self._busy or self.message_complete:
             return
         due = self._last_data + self._read_timeout_s
-        if self._paused or due > self._loop.time():
-            self._timer = self._loop.call_at(max(due, self._loop.time() + 0.001), self._check_timeout)
+        if self._paused or due > self.loop.time():
+            self._timer = self.loop.call_at(max(due, self.loop.time() + 0.001), self._check_timeout)
             return
         self._fail(TimeoutError())
         self._close()
@@ -305,7 +305,7 @@ class UpstreamPool:
             raise
 
     def put(self, connection: _Connection) -> None:
-        connection.idle_since = asyncio.get_running_loop().time()
+        connection.idle_since = connection.loop.time()
         self._idle.setdefault(connection.url, []).append(connection)
 
     def forget(self, connection: _Connection) -> None:
@@ -331,7 +331,7 @@ class UpstreamPool:
         idle = self._idle.get(url)
         if not idle:
             return None
-        fresh_after = asyncio.get_running_loop().time() - IDLE_TIMEOUT_S
+        fresh_after = idle[-1].loop.time() - IDLE_TIMEOUT_S
         while idle:
             connection = idle.pop()
             if not connection.closed and connection.idle_since > fresh_after:
