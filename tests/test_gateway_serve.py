@@ -76,3 +76,18 @@ def test_serve_answers_until_sigterm(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_tune_gc_freezes_start_up_objects_and_raises_the_young_threshold():
+    import gc
+
+    from kvgate.gateway.server import GC_YOUNG_THRESHOLD, tune_gc
+
+    threshold = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *threshold[1:])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)

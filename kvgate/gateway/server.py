@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from dataclasses import dataclass
@@ -17,6 +18,13 @@ from kvgate.gateway.app import build_app
 from kvgate.kvs_client import EmbeddedKVSIndex
 
 log = logging.getLogger(__name__)
+
+# Young-generation threshold of the gateway process (CPython's default is 700). Answered requests
+# leave no reference cycles (checked for whole, streamed, retried and refused ones; only a pydantic
+# refusal leaves one), so young collections free next to nothing; but at concurrency 32 the requests
+# in flight alone hold ~2,000 tracked objects, and with 700 a young collection ran every few
+# requests, walked them all and promoted them: 0.25 ms each, ~6 us per request on average.
+GC_YOUNG_THRESHOLD = 10_000
 
 
 @dataclass
@@ -56,6 +64,18 @@ def run_gateway(settings: Settings, tokenizer: Any = None) -> int:
     return uvloop.run(_serve_forever(settings, tokenizer))
 
 
+def tune_gc() -> None:
+    """For a process that only serves, called once everything is loaded. Freezing takes the ~110,000
+    objects of start-up (transformers' modules, the tokenizer and its vocabulary) out of the
+    collector's sight: a full collection walked them in 55 ms, a pause every request in flight
+    waited through, and takes well under a millisecond without them. The raised young threshold is
+    explained at GC_YOUNG_THRESHOLD."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -63,6 +83,7 @@ async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     handle = await start_gateway(settings, tokenizer=tokenizer)
+    tune_gc()
     log.info("kvgate gateway listening on %s with %d instance(s), policy %s",
              handle.url, len(settings.instances), settings.effective_policy.value)
     print(f"kvgate gateway listening on {handle.url}", flush=True)
