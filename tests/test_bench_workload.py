@@ -14,6 +14,7 @@ from kvgate.bench.workload import (
     block_tokens,
     build_requests,
     completion_body,
+    ideal_hit_ratio,
     prompt_token_ids,
     read_trace,
 )
@@ -107,3 +108,14 @@ def test_completion_body_streams_with_usage():
     assert body["prompt"] == list(block_tokens(1)[:3])
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 2 and body["model"] == "m"
+
+
+def test_ideal_hit_ratio_counts_leading_blocks_seen_before():
+    records = [
+        TraceRecord(0, 1024, 1, (1, 2)),
+        TraceRecord(1, 1536, 1, (1, 2, 3)),  # 1024 reused
+        TraceRecord(2, 1024, 1, (9, 2)),  # block 2 seen, but not as a prefix: 0
+        TraceRecord(3, 700, 1, (1, 2)),  # whole prompt seen: capped at its 700 tokens
+    ]
+    assert ideal_hit_ratio(records) == pytest.approx((1024 + 700) / (1024 + 1536 + 1024 + 700))
+    assert ideal_hit_ratio([]) == 0.0

@@ -18,7 +18,15 @@ import orjson
 from tabulate import tabulate
 
 from kvgate.bench.loadgen import ReplaySummary, ScheduledRequest, replay, run_async, summarize_replay
-from kvgate.bench.workload import TextRendering, TraceError, build_requests, completion_body, read_trace
+from kvgate.bench.workload import (
+    TextRendering,
+    TraceError,
+    TraceRecord,
+    build_requests,
+    completion_body,
+    ideal_hit_ratio,
+    read_trace,
+)
 
 PROMPT_FORMATS = ("tokens", "text")
 
@@ -44,9 +52,10 @@ class ReplayReport:
     summary: ReplaySummary
     ttfts_s: tuple[float, ...]  # every completed request's TTFT, in send order (for CDFs)
     model: str
+    ideal_hit_ratio: float  # the replayed window's bound: one infinite cache shared by all engines
 
     def to_dict(self) -> dict:
-        return {"model": self.model, **self.summary.to_dict()}
+        return {"model": self.model, "ideal_hit_ratio": self.ideal_hit_ratio, **self.summary.to_dict()}
 
 
 async def _first_model(base_url: str) -> str:
@@ -60,8 +69,7 @@ async def _first_model(base_url: str) -> str:
         return str(data[0]["id"])
 
 
-def _scheduled_requests(config: ReplayConfig, model: str) -> list[ScheduledRequest]:
-    records = read_trace(config.trace, limit=config.limit, duration_s=config.duration_s)
+def _scheduled_requests(config: ReplayConfig, model: str, records: list[TraceRecord]) -> list[ScheduledRequest]:
     requests = build_requests(records, speedup=config.speedup, max_tokens_cap=config.max_tokens_cap)
     rendering = None
     if config.prompt_format == "text":
@@ -79,7 +87,8 @@ def _scheduled_requests(config: ReplayConfig, model: str) -> list[ScheduledReque
 async def replay_trace(config: ReplayConfig) -> ReplayReport:
     base_url = config.url.rstrip("/")
     model = config.model or await _first_model(base_url)
-    scheduled = _scheduled_requests(config, model)
+    records = read_trace(config.trace, limit=config.limit, duration_s=config.duration_s)
+    scheduled = _scheduled_requests(config, model, records)
     progress = None
     if config.progress:
         from tqdm import tqdm
@@ -99,7 +108,7 @@ async def replay_trace(config: ReplayConfig) -> ReplayReport:
             progress.close()
     duration = time.perf_counter() - started
     ttfts = tuple(o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None)
-    return ReplayReport(summarize_replay(outcomes, duration), ttfts, model)
+    return ReplayReport(summarize_replay(outcomes, duration), ttfts, model, ideal_hit_ratio(records))
 
 
 def replay_in_process(config: ReplayConfig) -> ReplayReport:
@@ -117,6 +126,7 @@ def format_report(report: ReplayReport) -> str:
         ("requests (completed / sent)", f"{s.completed} / {s.requests}"),
         ("errors", ", ".join(f"{k}: {v}" for k, v in s.errors.items()) or "none"),
         ("hit ratio (cached / prompt tokens)", "-" if s.hit_ratio is None else f"{s.hit_ratio:.1%}"),
+        ("hit ratio bound (one infinite cache)", f"{report.ideal_hit_ratio:.1%}"),
         ("prompt tokens", f"{s.prompt_tokens:,}"),
         ("TTFT mean / p50 / p90 / p99 (ms)",
          " / ".join(_ms(getattr(s.ttft, k, None)) for k in ("mean", "p50", "p90", "p99"))),

@@ -38,7 +38,7 @@ from tabulate import tabulate
 from kvgate.bench import peers
 from kvgate.bench.loadgen import ClosedLoopResult, ReplaySummary, closed_loop_in_process, in_own_process
 from kvgate.bench.replay import ReplayConfig, replay_in_process
-from kvgate.bench.workload import read_trace
+from kvgate.bench.workload import ideal_hit_ratio, read_trace
 from kvgate.config.settings import DispatchPolicy
 from kvgate.kvs_client.launch import LocalProcess, ServiceStartError, free_port, start_redis_server
 
@@ -484,11 +484,15 @@ def plot(results: Sequence[TargetResult], concurrency: Sequence[int], path: Path
     import matplotlib.pyplot as plt
 
     baseline = _direct(results)
+    # One colour per router, one line style per policy.
+    colours = {KVGATE: "tab:blue", "sglang-router": "tab:green", "vllm-router": "tab:purple", DIRECT: "grey"}
+    styles = {"cache_aware": "-", "round_robin": "--", "prefix": "-.", "least_load": ":"}
     fig, (cdf, bars, rates) = plt.subplots(1, 3, figsize=(17, 5.2))
     for r in results:
         if r.ttfts_s:
             xs = sorted(t * 1000 for t in r.ttfts_s)
             cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r.target.label,
+                     color=colours.get(r.target.router), linestyle=styles.get(r.target.policy, "-"),
                      linewidth=2.2 if r.target.router == KVGATE else 1.4)
     cdf.set_xscale("log")
     cdf.set_xlabel("TTFT (ms, log scale)")
@@ -514,7 +518,7 @@ def plot(results: Sequence[TargetResult], concurrency: Sequence[int], path: Path
     top = max(concurrency)
     with_rate = [r for r in results if top in r.overhead]
     rates.bar(range(len(with_rate)), [r.overhead[top].requests_per_s for r in with_rate],
-              color=["grey" if r is baseline else "tab:blue" for r in with_rate])
+              color=[colours.get(r.target.router) for r in with_rate])
     rates.set_xticks(range(len(with_rate)))
     rates.set_xticklabels([r.target.label for r in with_rate], rotation=30, ha="right", fontsize=8)
     rates.set_ylabel(f"requests/s at concurrency {top}")
@@ -587,6 +591,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate bench routers: --trace {config.trace!r}: no such file", file=sys.stderr)
         return 2
     started = time.monotonic()
+    bound = ideal_hit_ratio(read_trace(config.trace, limit=config.limit))
     with contextlib.ExitStack() as stack:
         if config.log_dir:
             config.log_dir.mkdir(parents=True, exist_ok=True)
@@ -597,7 +602,8 @@ def run(args: argparse.Namespace) -> int:
     headers, rows = table_rows(results, config.overhead_concurrency)
     print(tabulate(rows, headers=headers, tablefmt="github"))
     print(f"\n{config.engines} mock engines (time scale {config.time_scale}), trace {Path(config.trace).name} "
-          f"first {config.limit} requests at {config.speedup}x, output capped at {config.max_tokens_cap} tokens; "
+          f"first {config.limit} requests at {config.speedup}x (hit ratio bound {bound:.1%}), output capped at "
+          f"{config.max_tokens_cap} tokens, {config.cache_capacity_blocks} KV blocks of 256 tokens per engine; "
           f"overhead: {_OVERHEAD_PROMPT.__len__()} B prompt, max_tokens 1, {config.overhead_duration_s:.0f} s per "
           f"loop; run took {time.monotonic() - started:.0f} s")
     loads = [r.load_average[0] for r in results if r.load_average]

@@ -102,6 +102,23 @@ def read_trace(
     return records
 
 
+def ideal_hit_ratio(records: Sequence[TraceRecord]) -> float:
+    """The hit ratio one infinite cache shared by every engine would give: each request's leading
+    hash ids seen in any earlier request, in whole blocks, over all prompt tokens. No router can beat it."""
+    seen: set[int] = set()
+    hit = total = 0
+    for record in records:
+        reused = 0
+        for hash_id in record.hash_ids:
+            if hash_id not in seen:
+                break
+            reused += 1
+        hit += min(reused * BLOCK_TOKENS, record.input_length)
+        total += record.input_length
+        seen.update(record.hash_ids)
+    return hit / total if total else 0.0
+
+
 @lru_cache(maxsize=65536)
 def block_tokens(hash_id: int, vocabulary: Vocabulary = DEFAULT_VOCABULARY) -> tuple[int, ...]:
     """The 512 token ids standing for `hash_id`; a pure function of the id and the vocabulary."""
