@@ -3,6 +3,11 @@
 Only what routing needs is declared (model, prompt or messages, stream); every other field is
 allowed and forwarded untouched, because engines accept many extensions (vLLM sampling options,
 SGLang's extras) the gateway has no business filtering. Types are strict: "12" is not a token id.
+
+Every request pays for parsing, so the usual shapes (a text or token-id prompt, text chat
+messages) are recognised by a few type checks first; pydantic validates everything else and
+writes the error messages. The quick check only ever accepts bodies pydantic accepts
+(tests/test_gateway_protocol.py checks it on generated bodies).
 """
 
 from __future__ import annotations
@@ -38,13 +43,15 @@ class CompletionBody(_OpenAIBody):
             if len(prompt) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list) and all(type(t) is int and 0 <= t < _TOKEN_ID_LIMIT for t in prompt)
-        ):
+        if isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt)):
             if not prompt:
                 raise ValueError("must not be empty")
             return prompt
         raise ValueError("must be a string or a list of token ids (integers in 0..2**32-1)")
+
+
+def _token_ids(values: list) -> bool:
+    return all(type(t) is int and 0 <= t < _TOKEN_ID_LIMIT for t in values)
 
 
 class ChatMessage(BaseModel):
@@ -84,6 +91,27 @@ class ParsedRequest:
 
 def parse_completion(raw: bytes) -> ParsedRequest:
     body = _json_object(raw)
+    model, stream, prompt = body.get("model"), body.get("stream", False), body.get("prompt")
+    if type(model) is str and model and type(stream) is bool and prompt:
+        if type(prompt) is str:
+            return ParsedRequest(False, model, stream, body, raw, prompt_text=prompt)
+        if type(prompt) is list and type(prompt[0]) is int and _token_ids(prompt):
+            return ParsedRequest(False, model, stream, body, raw, prompt_ids=prompt)
+    return validated_completion(body, raw)
+
+
+def parse_chat(raw: bytes) -> ParsedRequest:
+    body = _json_object(raw)
+    model, stream, messages = body.get("model"), body.get("stream", False), body.get("messages")
+    if (type(model) is str and model and type(stream) is bool and type(messages) is list and messages
+            and all(type(m) is dict and type(m.get("role")) is str and m["role"]
+                    and (m.get("content") is None or type(m["content"]) is str) for m in messages)):
+        return ParsedRequest(True, model, stream, body, raw, messages=messages)
+    return validated_chat(body, raw)
+
+
+def validated_completion(body: dict[str, Any], raw: bytes) -> ParsedRequest:
+    """The full validation (pydantic), for bodies the quick check in parse_completion did not accept."""
     request = _validate(CompletionBody, body)
     prompt = request.prompt
     if isinstance(prompt, str):
@@ -91,8 +119,8 @@ def parse_completion(raw: bytes) -> ParsedRequest:
     return ParsedRequest(False, request.model, request.stream, body, raw, prompt_ids=prompt)
 
 
-def parse_chat(raw: bytes) -> ParsedRequest:
-    body = _json_object(raw)
+def validated_chat(body: dict[str, Any], raw: bytes) -> ParsedRequest:
+    """The full validation (pydantic), for bodies the quick check in parse_chat did not accept."""
     request = _validate(ChatBody, body)
     return ParsedRequest(True, request.model, request.stream, body, raw, messages=body["messages"])
 
