@@ -24,7 +24,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +218,18 @@ class TokenizerService:
 
     def encode_prompt_sync(self, text: str) -> list[int]:
         """Ids for /v1/completions: the tokenizer's special tokens around the text."""
-        return self._prefix_ids + self._encode_cached(text) + self._suffix_ids
+        ids = self._prefix_ids.copy()
+        for part in self._cached_parts(text):
+            ids.extend(part)
+        ids.extend(self._suffix_ids)
+        return ids
 
     def encode_chat_sync(self, messages: list[dict]) -> list[int]:
         """Ids for /v1/chat/completions: the template over all messages, then the generation prompt."""
-        return self._encode_cached(self.render_chat(messages))
+        ids: list[int] = []
+        for part in self._cached_parts(self.render_chat(messages)):
+            ids.extend(part)
+        return ids
 
     def render_chat(self, messages: list[dict]) -> str:
         try:
@@ -246,16 +252,17 @@ class TokenizerService:
 
     # --- internals ---
 
-    def _encode_cached(self, text: str) -> list[int]:
+    def _cached_parts(self, text: str) -> list[tuple[int, ...]]:
+        """The ids of each segment of `text`, in order; only segments not cached are encoded."""
         segments = self._segmenter.split(text) if self._segmenter else [text]
         found = [self._cache.get(s) for s in segments]
         missing = [s for s, ids in zip(segments, found, strict=True) if ids is None]
-        if missing:
-            fresh = dict(zip(missing, self._encode_plain(missing), strict=True))
-            for segment, ids in fresh.items():
-                self._cache.put(segment, ids)
-            found = [ids if ids is not None else fresh[s] for s, ids in zip(segments, found, strict=True)]
-        return list(chain.from_iterable(found))
+        if not missing:
+            return found  # type: ignore[return-value]  # no None left
+        fresh = dict(zip(missing, self._encode_plain(missing), strict=True))
+        for segment, ids in fresh.items():
+            self._cache.put(segment, ids)
+        return [ids if ids is not None else fresh[s] for s, ids in zip(segments, found, strict=True)]
 
     def _encode_plain(self, texts: list[str]) -> list[tuple[int, ...]]:
         """Encode without special tokens; one batched call so long prompts cross into Rust once."""
