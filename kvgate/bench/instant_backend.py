@@ -4,7 +4,8 @@ What a router adds is (latency through it) - (latency to its backend), at equal 
 simulated engine the difference drowns in the engine's own work and the engine caps the request
 rate long before a router does, so the overhead phase of `kvgate bench routers` talks to these
 instead: they read and parse the request like an engine, answer a one-token completion with
-usage, serve /health, /v1/models and idle /metrics (what routers probe), and nothing else.
+usage (as whole JSON, or streamed when the request asks: the token event, then `data: [DONE]`),
+serve /health, /v1/models and idle /metrics (what routers probe), and nothing else.
 
 Run: python -m kvgate.bench.instant_backend --port P --model M
 """
@@ -28,13 +29,17 @@ def make_app(model: str) -> web.Application:
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
     )
 
-    async def completions(request: web.Request) -> web.Response:
+    async def completions(request: web.Request) -> web.StreamResponse:
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError:
             return web.json_response({"error": {"message": "body is not JSON", "type": "invalid_request_error",
                                                 "code": 400}}, status=400)
-        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            body = {}
+        if body.get("stream") is True:
+            return await stream(request)
+        prompt = body.get("prompt")
         # Roughly a token per four characters; the figure only has to look like an engine's.
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt or "")) // 4
         answer = {
@@ -44,6 +49,19 @@ def make_app(model: str) -> web.Application:
                       "total_tokens": prompt_tokens + 1, "prompt_tokens_details": {"cached_tokens": 0}},
         }
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        # Two writes, as an engine sends the token and the end of the stream separately.
+        event = {
+            "id": "cmpl-instant", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}],
+        }
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
