@@ -35,8 +35,8 @@ PROMPT_FORMATS = ("tokens", "text")
 class ReplayConfig:
     url: str  # base URL of the endpoint, e.g. http://127.0.0.1:8000
     trace: str
-    speedup: float = 10.0
-    limit: int | None = 300
+    speedup: float = 4.0
+    limit: int | None = 500
     duration_s: float | None = None
     max_tokens_cap: int | None = None
     concurrency_limit: int | None = None

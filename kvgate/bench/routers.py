@@ -36,7 +36,13 @@ import yaml
 from tabulate import tabulate
 
 from kvgate.bench import peers
-from kvgate.bench.loadgen import ClosedLoopResult, ReplaySummary, closed_loop_in_process, in_own_process
+from kvgate.bench.loadgen import (
+    OVERHEAD_PROMPT,
+    ClosedLoopResult,
+    ReplaySummary,
+    closed_loop_in_process,
+    in_own_process,
+)
 from kvgate.bench.replay import ReplayConfig, replay_in_process
 from kvgate.bench.workload import ideal_hit_ratio, read_trace
 from kvgate.config.settings import DispatchPolicy
@@ -46,9 +52,6 @@ KVGATE = "kvgate"
 DIRECT = "direct"
 MODEL = "kvgate/mock-llm"
 _START_TIMEOUT_S = 90.0
-# A fixed English text of ~2 KB (~450 tokens): below the cache-aware threshold (1024 tokens), like
-# the short chat turns that make up most of a router's request rate.
-_OVERHEAD_PROMPT = ("The gateway reads the request, picks an instance and relays the answer. " * 40)[:2048]
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,7 @@ def serves_tokenize(engine: Engine) -> bool:
 
 
 def _overhead_phase(config: RoutersConfig, base_url: str, result: TargetResult) -> None:
-    body = json.dumps({"model": MODEL, "prompt": _OVERHEAD_PROMPT, "max_tokens": 1,
+    body = json.dumps({"model": MODEL, "prompt": OVERHEAD_PROMPT, "max_tokens": 1,
                        "stream": False}).encode()
     for concurrency in config.overhead_concurrency:
         result.overhead[concurrency] = in_own_process(
@@ -604,7 +607,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{config.engines} mock engines (time scale {config.time_scale}), trace {Path(config.trace).name} "
           f"first {config.limit} requests at {config.speedup}x (hit ratio bound {bound:.1%}), output capped at "
           f"{config.max_tokens_cap} tokens, {config.cache_capacity_blocks} KV blocks of 256 tokens per engine; "
-          f"overhead: {_OVERHEAD_PROMPT.__len__()} B prompt, max_tokens 1, {config.overhead_duration_s:.0f} s per "
+          f"overhead: {len(OVERHEAD_PROMPT)} B prompt, max_tokens 1, {config.overhead_duration_s:.0f} s per "
           f"loop; run took {time.monotonic() - started:.0f} s")
     loads = [r.load_average[0] for r in results if r.load_average]
     if loads:
