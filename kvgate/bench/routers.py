@@ -184,8 +184,7 @@ def mock_engines(config: RoutersConfig, redis_url: str, log_dir: Path) -> Iterat
                            "--kvs-backend", "redis", "--kvs-redis-url", redis_url, "--kvs-local-ip", endpoint)
         if config.tokenizer:
             argv += ["--tokenizer", config.tokenizer]
-        if config.cache_capacity_blocks:
-            argv += ["--cache-capacity-blocks", str(config.cache_capacity_blocks)]
+        argv += ["--cache-capacity-blocks", str(config.cache_capacity_blocks)]
         url = f"http://127.0.0.1:{port}"
         engines.append(Engine(url, endpoint))
         specs.append((argv, log_dir / f"engine-{i}-{port}.log", url, f"mock engine {i}"))
@@ -546,6 +545,8 @@ def add_parser(subparsers) -> None:
     d = RoutersConfig(trace="")
     parser.add_argument("--trace", required=True, help="Mooncake-format JSON-lines trace")
     parser.add_argument("--engines", type=int, default=d.engines, help=f"mock engines (default {d.engines})")
+    parser.add_argument("--cache-capacity-blocks", type=int, default=d.cache_capacity_blocks,
+                        help=f"KV blocks of 256 tokens per engine (default {d.cache_capacity_blocks}, ~3.4M tokens)")
     parser.add_argument("--time-scale", type=float, default=d.time_scale,
                         help=f"engines' real seconds per modelled GPU second (default {d.time_scale})")
     parser.add_argument("--speedup", type=float, default=d.speedup, help=f"trace time compression (default {d.speedup})")
@@ -563,6 +564,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--venv", type=Path, default=None,
                         help=f"peers' virtualenv (default {peers.default_venv_dir()})")
     parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="replay without giving the router its own core (see the module doc)")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep every process's log here")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     parser.add_argument("--plot", type=Path, default=None, help="write the TTFT CDF and overhead bars (PNG)")
@@ -574,10 +577,12 @@ def _config_from(args: argparse.Namespace) -> RoutersConfig:
     concurrency = tuple(int(c) for c in args.overhead_concurrency.split(",") if c.strip())
     if not targets or not concurrency or min(concurrency) < 1:
         raise ValueError("--targets and --overhead-concurrency need at least one entry; concurrency >= 1")
-    if args.engines < 1 or args.limit < 1 or args.speedup <= 0 or args.time_scale < 0:
-        raise ValueError("--engines and --limit must be >= 1, --speedup > 0, --time-scale >= 0")
+    if args.engines < 1 or args.limit < 1 or args.speedup <= 0 or args.time_scale < 0 or args.cache_capacity_blocks < 1:
+        raise ValueError("--engines, --limit and --cache-capacity-blocks must be >= 1, --speedup > 0, "
+                         "--time-scale >= 0")
     return RoutersConfig(
-        trace=args.trace, engines=args.engines, time_scale=args.time_scale, speedup=args.speedup,
+        trace=args.trace, engines=args.engines, cache_capacity_blocks=args.cache_capacity_blocks,
+        time_scale=args.time_scale, speedup=args.speedup, pin_cpus=not args.no_pin,
         limit=args.limit, max_tokens_cap=args.max_tokens_cap, tokenizer=args.tokenizer,
         overhead_concurrency=concurrency, overhead_duration_s=args.overhead_duration, targets=targets,
         venv_dir=args.venv, install_peers=not args.no_install, log_dir=args.log_dir,
