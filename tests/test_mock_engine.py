@@ -343,3 +343,33 @@ def test_command_serves_text_and_chat_then_stops_on_sigterm():
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+async def test_tokenize_answers_as_vllm_with_the_gateways_ids():
+    """vllm-router's cache_aware policy asks workers for ids via POST /tokenize."""
+    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+
+    tokenizer = TokenizerService(load_tokenizer(), 64)
+    handle = await start_mock_engine(MockEngineConfig(time_scale=0.0), tokenizer=tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why cache KV?"}]
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                handle.url + "/tokenize", json={"model": MODEL, "prompt": "hello world"}
+            ) as r:
+                text_answer = await r.json()
+            async with session.post(
+                handle.url + "/tokenize", json={"model": MODEL, "messages": messages}
+            ) as r:
+                chat_answer = await r.json()
+            async with session.post(handle.url + "/tokenize", json={"model": "other", "prompt": "x"}) as r:
+                unknown_model = r.status, await r.json()
+            async with session.post(handle.url + "/tokenize", data=b"{not json") as r:
+                malformed = r.status, await r.json()
+    finally:
+        await handle.close()
+    assert text_answer["tokens"] == tokenizer.encode_prompt_sync("hello world")
+    assert text_answer["count"] == len(text_answer["tokens"]) and text_answer["max_model_len"] > 0
+    assert chat_answer["tokens"] == tokenizer.encode_chat_sync(messages)
+    assert unknown_model[0] == 404 and unknown_model[1]["error"]["param"] == "model"
+    assert malformed[0] == 400 and "error" in malformed[1]

@@ -26,10 +26,16 @@ class GenerationRequest:
     include_usage: bool
 
 
-def parse_generation(raw: bytes, chat: bool, served_model: str) -> GenerationRequest:
+def parse_served(raw: bytes, chat: bool, served_model: str) -> ParsedRequest:
+    """The gateway's parse of the body, refused with vLLM's 404 when it names another model."""
     parsed = parse_chat(raw) if chat else parse_completion(raw)
     if parsed.model != served_model:
         raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model")
+    return parsed
+
+
+def parse_generation(raw: bytes, chat: bool, served_model: str) -> GenerationRequest:
+    parsed = parse_served(raw, chat, served_model)
     body = parsed.body
     # Chat prefers the newer name; the first one present wins.
     fields = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)

@@ -12,19 +12,20 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
 from kvgate.gateway.errors import APIError, error_middleware
-from kvgate.gateway.protocol import json_response
+from kvgate.gateway.protocol import ParsedRequest, json_response
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_words
 from kvgate.mock_engine.metrics import EngineMetrics
-from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation
+from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation, parse_served
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
 from kvgate.scheduler.key_formats import make_key_format
@@ -89,6 +90,7 @@ class MockEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
         return app
 
     async def start(self) -> None:
@@ -127,12 +129,30 @@ class MockEngine:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize (a `prompt` or chat `messages`): routers such as vllm-router's
+        cache_aware policy ask the workers for token ids instead of tokenizing themselves."""
+        raw = await request.read()
+        try:
+            chat = "messages" in orjson.loads(raw)
+        except (orjson.JSONDecodeError, TypeError):
+            chat = False  # the parser below words the error
+        tokens = list(await self._prompt_token_ids(parse_served(raw, chat, self.config.model)))
+        return json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.config.context_limit,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
     # --- one request ---
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         generation = parse_generation(await request.read(), chat, self.config.model)
-        token_ids = await self._prompt_token_ids(generation)
+        token_ids = await self._prompt_token_ids(generation.parsed)
         max_tokens = generation.max_tokens
         self._check_length(len(token_ids), max_tokens)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -151,8 +171,7 @@ class MockEngine:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
             self.loop.cancel(request_id)
 
-    async def _prompt_token_ids(self, generation: GenerationRequest) -> Sequence[int]:
-        parsed = generation.parsed
+    async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
         if parsed.prompt_ids is not None:
             return parsed.prompt_ids
         if self._tokenizer is None:
