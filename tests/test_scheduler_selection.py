@@ -54,10 +54,21 @@ def test_cache_aware_prepends_miss_plus_queue_for_long_prompts():
     cache_aware = policy("cache_aware")
     decision = cache_aware.select(long_prompt, [a, b])
     assert decision.selected == "a" and decision.cache_aware
-    assert decision.scores[0].metrics["cache_aware_all_prefills_tokens_num"] == 2048 + 1000
+    # Queued tokens weigh --cache-aware-queued-tokens-weight (default 0.5) each.
+    assert decision.scores[0].metrics["cache_aware_all_prefills_tokens_num"] == 2048 + 0.5 * 1000
     # b has no hit: its miss is the whole prompt (Llumnix would say 0 and prefer it).
     assert decision.scores[1].prefix_miss_tokens == 4096
     assert decision.scores[1].metrics["cache_aware_all_prefills_tokens_num"] == 4096
+
+
+def test_queued_tokens_weight_decides_between_prefix_holder_and_idle_instance():
+    # a holds 1024 of 4096 tokens behind 2000 queued ones; b holds nothing and is idle.
+    a, b = cand("a", prefills=2000), cand("b")
+    request = RoutingRequest(4096, {"a": 1024})
+    # Llumnix's weight 1: a costs 3072 + 2000 = 5072 > b's 4096.
+    assert policy("cache_aware", cache_aware_queued_tokens_weight=1.0).select(request, [a, b]).selected == "b"
+    # Default 0.5: a costs 3072 + 1000 = 4072 < 4096, so the holder keeps the conversation.
+    assert policy("cache_aware").select(request, [a, b]).selected == "a"
 
 
 def test_cache_metric_needs_min_tokens():

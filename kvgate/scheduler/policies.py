@@ -6,7 +6,8 @@ metric, if any, goes in front of the configured load order:
 - round_robin: none at all, so every candidate ties and the selector's cursor rotates over them.
 - least_load: the load metrics in `--dispatch-metric-order`.
 - prefix: the longest prefix hit first (kv_cache_hit_len), then load.
-- cache_aware: cache_aware_all_prefills_tokens_num first (prefix miss + queued prefill), then load.
+- cache_aware: cache_aware_all_prefills_tokens_num first (prefix miss + weighted queued prefill,
+  `--cache-aware-queued-tokens-weight`), then load.
 
 The cache metric is used only for prompts of at least `--cache-aware-scheduling-min-tokens` and for
 candidate sets with a prefill or neutral instance: a decode instance's prefix does not matter.
@@ -15,11 +16,11 @@ candidate sets with a prefill or neutral instance: a decode instance's prefix do
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvgate.config.settings import DispatchPolicy, InstanceRole, Settings
-from kvgate.scheduler.scheduling_metrics import METRICS, SchedulingMetric
+from kvgate.scheduler.scheduling_metrics import METRICS, CacheAwareAllPrefillsTokensNum, SchedulingMetric
 from kvgate.scheduler.selector import Selector
 from kvgate.scheduler.types import Candidate, Decision, RoutingRequest
 
@@ -44,11 +45,12 @@ class MetricPolicy:
         cache_metric: str | None,
         cache_min_tokens: int,
         selector: Selector,
+        metrics: Mapping[str, SchedulingMetric] = METRICS,
     ) -> None:
         self.name = name
-        self._load_metrics = [METRICS[m] for m in load_metrics]
+        self._load_metrics = [metrics[m] for m in load_metrics]
         self._cache_metrics = (
-            [METRICS[cache_metric]] + [METRICS[m] for m in load_metrics if m != cache_metric]
+            [metrics[cache_metric]] + [metrics[m] for m in load_metrics if m != cache_metric]
             if cache_metric
             else self._load_metrics
         )
@@ -80,4 +82,10 @@ def make_policy(settings: Settings, rng: random.Random | None = None) -> Policy:
         DispatchPolicy.PREFIX: "kv_cache_hit_len",
         DispatchPolicy.CACHE_AWARE: "cache_aware_all_prefills_tokens_num",
     }[policy]
-    return MetricPolicy(policy.value, order, cache_metric, min_tokens, selector)
+    metrics = {
+        **METRICS,
+        "cache_aware_all_prefills_tokens_num": CacheAwareAllPrefillsTokensNum(
+            settings.cache_aware_queued_tokens_weight
+        ),
+    }
+    return MetricPolicy(policy.value, order, cache_metric, min_tokens, selector, metrics)

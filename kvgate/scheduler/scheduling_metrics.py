@@ -66,15 +66,28 @@ class KvCacheHitLen(SchedulingMetric):
 
 
 class CacheAwareAllPrefillsTokensNum(SchedulingMetric):
-    """Tokens the instance must prefill before this request's first token: its queue plus our miss."""
+    """Tokens the instance must prefill before this request's first token: our miss plus its queue.
+
+    The queue counts `queued_tokens_weight` per token (Llumnix: 1). Below 1 a prefix holder keeps
+    its requests through short bursts instead of seeding copies of the prefix on idle instances:
+    every copy costs cache room that later requests of the same conversation would have hit, and
+    with chunked prefill a new request shares the step budget instead of waiting for the whole queue.
+    """
 
     name = "cache_aware_all_prefills_tokens_num"
 
+    def __init__(self, queued_tokens_weight: float = 1.0) -> None:
+        self._weight = queued_tokens_weight
+
     def values(self, candidates: Sequence[Candidate], request: RoutingRequest) -> list[float]:
         queued = map(attrgetter("load.all_prefills_tokens_num"), candidates)
-        return [miss + q for miss, q in zip(miss_tokens_column(candidates, request), queued, strict=True)]
+        weight = self._weight
+        return [
+            miss + weight * q for miss, q in zip(miss_tokens_column(candidates, request), queued, strict=True)
+        ]
 
 
+# Llumnix's definitions; policies replace the cache metric with one of the configured weight.
 METRICS: dict[str, SchedulingMetric] = {
     metric.name: metric
     for metric in (
