@@ -11,19 +11,10 @@ from kvgate.cli import main
 from kvgate.config.settings import Settings
 from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, trace_profile
 from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
-from kvgate.simulator.trace import TraceError, fleet_lru_hit_ratio, ideal_hit_ratio, read_trace
+from kvgate.simulator.trace import ideal_hit_ratio, read_trace
+from tests.trace_helpers import row, write_trace
 
 BLOCK = 512
-
-
-def write_trace(path, rows) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
-
-
-def row(ms: int, hash_ids: list[int], input_length: int | None = None, output_length: int = 20) -> dict:
-    n = input_length if input_length is not None else BLOCK * len(hash_ids)
-    return {"timestamp": ms, "input_length": n, "output_length": output_length, "hash_ids": hash_ids}
 
 
 def prefix_heavy_rows(count: int = 240, documents: int = 12) -> list[dict]:
@@ -68,38 +59,6 @@ def test_scheduler_settings_reach_the_simulated_gateway(prefix_trace):
     aware = simulate(prefix_trace, settings("cache_aware"), 4, profile)
     assert high.ttfts == least.ttfts
     assert aware.summary.prefix_hit_ratio > high.summary.prefix_hit_ratio
-
-
-def test_ideal_and_fleet_lru_hit_ratios_by_hand(tmp_path):
-    trace = read_trace(
-        write_trace(
-            tmp_path / "t.jsonl",
-            [
-                row(0, [1, 2]),  # 1024 tokens, nothing seen: 0
-                row(1, [1, 2, 3], 1300),  # blocks 1, 2 seen: 1024 (block 3 is partial, never cached)
-                row(2, [1, 9]),  # block 1: 512
-                row(3, [1, 2]),  # everything cached: still computes one token, 1023
-                row(4, [1, 2, 3], 1300),  # 3 was partial before, so 1024 again
-            ],
-        )
-    )
-    total = 1024 + 1300 + 1024 + 1024 + 1300
-    assert ideal_hit_ratio(trace) == pytest.approx((1024 + 512 + 1023 + 1024) / total)
-    # Two blocks of LRU: [1, 9] pushes 2 out, so request 4 finds only block 1; it brings 2 back for 5.
-    assert fleet_lru_hit_ratio(trace, 2) == pytest.approx((1024 + 512 + 512 + 1024) / total)
-
-
-def test_trace_reader_scales_time_limits_and_rejects_bad_lines(tmp_path):
-    path = write_trace(tmp_path / "t.jsonl", [row(1000, [1]), row(3000, [1, 2])])
-    trace = read_trace(path, time_scale=0.5)
-    assert [r.arrival_s for r in trace] == [0.5, 1.5]
-    assert len(read_trace(path, limit=1)) == 1
-    (tmp_path / "bad.jsonl").write_text(json.dumps(row(0, [1])) + "\n" + json.dumps(row(5, [1], 2000)) + "\n")
-    with pytest.raises(TraceError, match="line 2: 1 hash ids for 2000 tokens"):
-        read_trace(tmp_path / "bad.jsonl")
-    (tmp_path / "junk.jsonl").write_text("{not json\n")
-    with pytest.raises(TraceError, match="line 1"):
-        read_trace(tmp_path / "junk.jsonl")
 
 
 def test_replay_leaves_no_account_and_index_equals_the_engines_caches(prefix_trace):

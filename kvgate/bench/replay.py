@@ -18,15 +18,9 @@ import orjson
 from tabulate import tabulate
 
 from kvgate.bench.loadgen import ReplaySummary, ScheduledRequest, replay, run_async, summarize_replay
-from kvgate.bench.workload import (
-    TextRendering,
-    TraceError,
-    TraceRecord,
-    build_requests,
-    completion_body,
-    ideal_hit_ratio,
-    read_trace,
-)
+from kvgate.bench.workload import TextRendering, build_requests, completion_body
+from kvgate.config.settings import Settings
+from kvgate.simulator.trace import TraceError, TraceRequest, ideal_hit_ratio, read_trace
 
 PROMPT_FORMATS = ("tokens", "text")
 
@@ -43,6 +37,8 @@ class ReplayConfig:
     model: str | None = None  # None: the first model the endpoint lists
     prompt_format: str = "tokens"
     tokenizer: str = ""  # for prompt_format "text": the engines' tokenizer ("" = kvgate's default)
+    # The engines' KV block size, for the hit ratio bound only: a mock engine's is its --kvs-chunk-size.
+    engine_block_tokens: int = Settings().kvs_chunk_size
     timeout_s: float = 300.0
     progress: bool = True
 
@@ -69,7 +65,7 @@ async def _first_model(base_url: str) -> str:
         return str(data[0]["id"])
 
 
-def _scheduled_requests(config: ReplayConfig, model: str, records: list[TraceRecord]) -> list[ScheduledRequest]:
+def _scheduled_requests(config: ReplayConfig, model: str, records: list[TraceRequest]) -> list[ScheduledRequest]:
     requests = build_requests(records, speedup=config.speedup, max_tokens_cap=config.max_tokens_cap)
     rendering = None
     if config.prompt_format == "text":
@@ -108,7 +104,8 @@ async def replay_trace(config: ReplayConfig) -> ReplayReport:
             progress.close()
     duration = time.perf_counter() - started
     ttfts = tuple(o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None)
-    return ReplayReport(summarize_replay(outcomes, duration), ttfts, model, ideal_hit_ratio(records))
+    bound = ideal_hit_ratio(records, engine_block_tokens=config.engine_block_tokens)
+    return ReplayReport(summarize_replay(outcomes, duration), ttfts, model, bound)
 
 
 def replay_in_process(config: ReplayConfig) -> ReplayReport:
@@ -162,6 +159,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=defaults.prompt_format,
                         help="token ids (no tokenizing anywhere) or text (each token one word of --tokenizer)")
     parser.add_argument("--tokenizer", default="", help="engines' tokenizer for --prompt-format text")
+    parser.add_argument("--engine-block-tokens", type=int, default=defaults.engine_block_tokens,
+                        help="the engines' KV block size in tokens, for the hit ratio bound (vLLM's --block-size, "
+                        "SGLang's --page-size, kvgate mock-engine's --kvs-chunk-size)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="per-request timeout (s)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -175,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency_limit is not None and args.concurrency_limit < 1:
         print("--concurrency-limit must be >= 1", file=sys.stderr)
         return 2
+    if args.engine_block_tokens < 1:
+        print("--engine-block-tokens must be >= 1", file=sys.stderr)
+        return 2
     config = ReplayConfig(
         url=args.gateway,
         trace=args.trace,
@@ -186,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         prompt_format=args.prompt_format,
         tokenizer=args.tokenizer,
+        engine_block_tokens=args.engine_block_tokens,
         timeout_s=args.timeout,
         progress=not args.no_progress and not args.json,
     )

@@ -44,14 +44,16 @@ from kvgate.bench.loadgen import (
     in_own_process,
 )
 from kvgate.bench.replay import ReplayConfig, replay_in_process
-from kvgate.bench.workload import ideal_hit_ratio, read_trace
-from kvgate.config.settings import DispatchPolicy
+from kvgate.config.settings import DispatchPolicy, Settings
 from kvgate.kvs_client.launch import LocalProcess, ServiceStartError, free_port, start_redis_server
+from kvgate.simulator.trace import TraceError, ideal_hit_ratio, read_trace
 
 KVGATE = "kvgate"
 DIRECT = "direct"
 MODEL = "kvgate/mock-llm"
 _START_TIMEOUT_S = 90.0
+# The mock engines run with the default --kvs-chunk-size, which is their KV block size.
+ENGINE_BLOCK_TOKENS = Settings().kvs_chunk_size
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,7 @@ def _replay_phase(config: RoutersConfig, base_url: str, result: TargetResult, bu
     replay_config = ReplayConfig(
         url=base_url, trace=config.trace, speedup=config.speedup, limit=config.limit,
         max_tokens_cap=config.max_tokens_cap, model=MODEL, prompt_format="text",
-        tokenizer=config.tokenizer, timeout_s=120.0, progress=True,
+        tokenizer=config.tokenizer, engine_block_tokens=ENGINE_BLOCK_TOKENS, timeout_s=120.0, progress=True,
     )
     report = in_own_process(replay_in_process, replay_config, timeout_s=budget_s)
     result.replay = report.summary
@@ -352,7 +354,7 @@ def run_targets(config: RoutersConfig, log_dir: Path) -> list[TargetResult]:
                              install=config.install_peers)
     records = read_trace(config.trace, limit=config.limit)
     # The compressed span of the replay, plus time to build the prompts and drain the last requests.
-    replay_budget_s = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000 / config.speedup + 300.0
+    replay_budget_s = (records[-1].arrival_s - records[0].arrival_s) / config.speedup + 300.0
     split = cpu_split() if config.pin_cpus else None
     router_cpus, other_cpus = split if split else (None, None)
     results = []
@@ -546,7 +548,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--trace", required=True, help="Mooncake-format JSON-lines trace")
     parser.add_argument("--engines", type=int, default=d.engines, help=f"mock engines (default {d.engines})")
     parser.add_argument("--cache-capacity-blocks", type=int, default=d.cache_capacity_blocks,
-                        help=f"KV blocks of 256 tokens per engine (default {d.cache_capacity_blocks}, ~3.4M tokens)")
+                        help=f"KV blocks of {ENGINE_BLOCK_TOKENS} tokens per engine (default {d.cache_capacity_blocks}, ~3.4M tokens)")
     parser.add_argument("--time-scale", type=float, default=d.time_scale,
                         help=f"engines' real seconds per modelled GPU second (default {d.time_scale})")
     parser.add_argument("--speedup", type=float, default=d.speedup, help=f"trace time compression (default {d.speedup})")
@@ -595,11 +597,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate bench routers: {exc}", file=sys.stderr)
         return 2
-    if not Path(config.trace).is_file():
-        print(f"kvgate bench routers: --trace {config.trace!r}: no such file", file=sys.stderr)
-        return 2
     started = time.monotonic()
-    bound = ideal_hit_ratio(read_trace(config.trace, limit=config.limit))
+    try:
+        records = read_trace(config.trace, limit=config.limit)
+    except TraceError as exc:  # an absent file too, before anything starts
+        print(f"kvgate bench routers: {exc}", file=sys.stderr)
+        return 2
+    bound = ideal_hit_ratio(records, engine_block_tokens=ENGINE_BLOCK_TOKENS)
     with contextlib.ExitStack() as stack:
         if config.log_dir:
             config.log_dir.mkdir(parents=True, exist_ok=True)
@@ -611,7 +615,7 @@ def run(args: argparse.Namespace) -> int:
     print(tabulate(rows, headers=headers, tablefmt="github"))
     print(f"\n{config.engines} mock engines (time scale {config.time_scale}), trace {Path(config.trace).name} "
           f"first {config.limit} requests at {config.speedup}x (hit ratio bound {bound:.1%}), output capped at "
-          f"{config.max_tokens_cap} tokens, {config.cache_capacity_blocks} KV blocks of 256 tokens per engine; "
+          f"{config.max_tokens_cap} tokens, {config.cache_capacity_blocks} KV blocks of {ENGINE_BLOCK_TOKENS} tokens per engine; "
           f"overhead: {len(OVERHEAD_PROMPT)} B prompt, max_tokens 1, {config.overhead_duration_s:.0f} s per "
           f"loop; run took {time.monotonic() - started:.0f} s")
     loads = [r.load_average[0] for r in results if r.load_average]

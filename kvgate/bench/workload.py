@@ -1,41 +1,27 @@
-"""A Mooncake-format trace -> deterministic prompts, ready to replay against a live endpoint.
+"""Trace requests -> deterministic prompts, ready to replay against a live endpoint.
 
-Each line of a trace is `{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}`;
-each hash id stands for one 512-token block and equal ids mean a shared prefix (REFERENCE.md section
-10). The trace carries no text, so every hash id is turned into a block of token ids drawn from a
-random generator seeded by the id: the same id always gives the same block, in any run, on any
-machine, so two requests that share hash ids share a token prefix exactly as in the original trace
-and the engines' prefix caches see the trace's real reuse.
+A trace (read by `kvgate.simulator.trace.read_trace`) carries no text, only one hash id per 512-token
+block, equal ids meaning a shared prefix. Every hash id is turned into a block of token ids drawn
+from a random generator seeded by the id: the same id always gives the same block, in any run, on
+any machine, so two requests that share hash ids share a token prefix exactly as in the original
+trace and the engines' prefix caches see the trace's real reuse.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-BLOCK_TOKENS = 512
+from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest
+
 # Ids at the bottom of a vocabulary are usually special tokens (BOS, EOS, padding); 32,000 is
 # below the vocabulary size of every common model, so any engine would accept these ids.
 # A vocabulary is a range or a tuple: hashable, so generated blocks can be cached per vocabulary.
 Vocabulary = range | tuple[int, ...]
 DEFAULT_VOCABULARY: Vocabulary = range(1000, 32000)
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be replayed; the message names the file and line."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRecord:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,90 +34,18 @@ class ReplayRequest:
     max_tokens: int
 
 
-def _parse_record(line: str, where: str) -> TraceRecord:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON: {exc.msg}") from None
-    if not isinstance(raw, dict):
-        raise TraceError(f"{where}: expected a JSON object")
-    try:
-        timestamp = float(raw["timestamp"])
-        input_length = int(raw["input_length"])
-        output_length = int(raw["output_length"])
-        hash_ids = tuple(int(h) for h in raw["hash_ids"])
-    except KeyError as exc:
-        raise TraceError(f"{where}: missing field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise TraceError(f"{where}: bad value: {exc}") from None
-    if input_length < 1 or output_length < 0 or timestamp < 0:
-        raise TraceError(f"{where}: timestamp and output_length must be >= 0, input_length >= 1")
-    if any(h < 0 for h in hash_ids):
-        raise TraceError(f"{where}: hash ids must be >= 0")
-    if input_length > BLOCK_TOKENS * len(hash_ids):
-        raise TraceError(
-            f"{where}: input_length {input_length} needs {-(-input_length // BLOCK_TOKENS)} blocks "
-            f"of {BLOCK_TOKENS} tokens but hash_ids has {len(hash_ids)}"
-        )
-    return TraceRecord(timestamp, input_length, output_length, hash_ids)
-
-
-def read_trace(
-    path: str | Path, *, limit: int | None = None, duration_s: float | None = None
-) -> list[TraceRecord]:
-    """The first `limit` records, or those within `duration_s` of the first one (trace time)."""
-    records: list[TraceRecord] = []
-    try:
-        handle = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the with below
-    except OSError as exc:
-        raise TraceError(f"trace {str(path)!r}: cannot read: {exc.strerror}") from None
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            if limit is not None and len(records) >= limit:
-                break
-            record = _parse_record(line, f"{path}:{number}")
-            if duration_s is not None and records and (
-                record.timestamp_ms - records[0].timestamp_ms > duration_s * 1000
-            ):
-                break
-            records.append(record)
-    if not records:
-        raise TraceError(f"trace {str(path)!r}: no records")
-    return records
-
-
-def ideal_hit_ratio(records: Sequence[TraceRecord]) -> float:
-    """The hit ratio one infinite cache shared by every engine would give: each request's leading
-    hash ids seen in any earlier request, in whole blocks, over all prompt tokens. No router can beat it."""
-    seen: set[int] = set()
-    hit = total = 0
-    for record in records:
-        reused = 0
-        for hash_id in record.hash_ids:
-            if hash_id not in seen:
-                break
-            reused += 1
-        hit += min(reused * BLOCK_TOKENS, record.input_length)
-        total += record.input_length
-        seen.update(record.hash_ids)
-    return hit / total if total else 0.0
-
-
 @lru_cache(maxsize=65536)
 def block_tokens(hash_id: int, vocabulary: Vocabulary = DEFAULT_VOCABULARY) -> tuple[int, ...]:
     """The 512 token ids standing for `hash_id`; a pure function of the id and the vocabulary."""
     # random.Random seeded with an int is reproducible across runs and Python versions.
     rng = random.Random(hash_id)
-    return tuple(rng.choices(vocabulary, k=BLOCK_TOKENS))
+    return tuple(rng.choices(vocabulary, k=TRACE_BLOCK_TOKENS))
 
 
-def prompt_token_ids(record: TraceRecord, vocabulary: Vocabulary = DEFAULT_VOCABULARY) -> tuple[int, ...]:
+def prompt_token_ids(record: TraceRequest, vocabulary: Vocabulary = DEFAULT_VOCABULARY) -> tuple[int, ...]:
     """The record's blocks end to end, cut to `input_length` (only the last block is ever cut)."""
-    needed = -(-record.input_length // BLOCK_TOKENS)
     tokens: list[int] = []
-    for hash_id in record.hash_ids[:needed]:
+    for hash_id in record.hash_ids:
         tokens.extend(block_tokens(hash_id, vocabulary))
     return tuple(tokens[: record.input_length])
 
@@ -167,22 +81,21 @@ class TextRendering:
         """512 pieces, one per token: a bare word, 510 space-led words, a newline."""
         return _block_pieces(hash_id, self.words)
 
-    def prompt(self, record: TraceRecord) -> str:
-        needed = -(-record.input_length // BLOCK_TOKENS)
+    def prompt(self, record: TraceRequest) -> str:
         pieces: list[str] = []
-        for hash_id in record.hash_ids[:needed]:
+        for hash_id in record.hash_ids:
             pieces.extend(self.block_pieces(hash_id))
         return "".join(pieces[: record.input_length])
 
 
 @lru_cache(maxsize=65536)
 def _block_pieces(hash_id: int, words: tuple[str, ...]) -> tuple[str, ...]:
-    chosen = random.Random(hash_id).choices(words, k=BLOCK_TOKENS - 1)
+    chosen = random.Random(hash_id).choices(words, k=TRACE_BLOCK_TOKENS - 1)
     return (chosen[0], *(" " + w for w in chosen[1:]), "\n")
 
 
 def build_requests(
-    records: Iterable[TraceRecord],
+    records: Iterable[TraceRequest],
     *,
     speedup: float = 1.0,
     max_tokens_cap: int | None = None,
@@ -194,7 +107,7 @@ def build_requests(
     records = list(records)
     if not records:
         return []
-    start_ms = records[0].timestamp_ms
+    start_s = records[0].arrival_s
     requests = []
     for index, record in enumerate(records):
         max_tokens = max(1, record.output_length)
@@ -203,7 +116,7 @@ def build_requests(
         requests.append(
             ReplayRequest(
                 index=index,
-                send_at_s=max(0.0, record.timestamp_ms - start_ms) / 1000.0 / speedup,
+                send_at_s=max(0.0, record.arrival_s - start_s) / speedup,
                 prompt_token_ids=prompt_token_ids(record, vocabulary),
                 max_tokens=max_tokens,
             )

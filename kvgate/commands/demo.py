@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 
 from kvgate.bench.loadgen import run_async
-from kvgate.bench.workload import ReplayRequest, TraceError
+from kvgate.bench.workload import ReplayRequest
 from kvgate.config.settings import Settings
 from kvgate.demo.fleet import FleetSpec
 from kvgate.demo.report import format_table
@@ -24,6 +24,7 @@ from kvgate.demo.workload import ConversationWorkload, conversation_requests
 from kvgate.engine_model import ServiceProfile
 from kvgate.kvs_client.launch import MooncakeMasterProcess, ServiceStartError, start_mooncake_master
 from kvgate.mock_engine.server import MockEngineConfig
+from kvgate.simulator.trace import TraceError
 
 # 128 blocks of 256 tokens (32K tokens) per engine: the bundled workload's 8 documents (~32K tokens)
 # plus the conversations on them outgrow one engine's cache but fit the fleet's. The engines are

@@ -98,12 +98,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"kvgate simulate: cannot read {args.trace}: {exc.strerror}", file=sys.stderr)
-        return 2
-    if not requests:
-        print(f"kvgate simulate: {args.trace} holds no requests", file=sys.stderr)
-        return 2
 
     reference = hit_ratio_reference(requests, args.num_instances * profile.cache_capacity_blocks)
     show_progress = not args.json and sys.stderr.isatty()

@@ -15,9 +15,10 @@ from typing import Any
 import orjson
 
 from kvgate.bench.loadgen import ReplaySummary, ScheduledRequest, replay, summarize_replay
-from kvgate.bench.workload import ReplayRequest, build_requests, completion_body, read_trace
+from kvgate.bench.workload import ReplayRequest, build_requests, completion_body
 from kvgate.config.settings import DispatchPolicy
 from kvgate.demo.fleet import FleetSpec, running_fleet
+from kvgate.simulator.trace import read_trace
 
 POLICIES = (DispatchPolicy.ROUND_ROBIN, DispatchPolicy.CACHE_AWARE)
 

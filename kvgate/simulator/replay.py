@@ -156,10 +156,10 @@ class Replay:
     def blocks(self, req: TraceRequest) -> list[BlockHash]:
         """The request's blocks as the gateway's hasher would give them for this trace."""
         full = req.input_length // TRACE_BLOCK_TOKENS
-        blocks = [BlockHash(key, TRACE_BLOCK_TOKENS, True) for key in req.block_keys[:full]]
+        blocks = [BlockHash(str(h), TRACE_BLOCK_TOKENS, True) for h in req.hash_ids[:full]]
         remainder = req.input_length - full * TRACE_BLOCK_TOKENS
         if remainder and self._settings.kvs_enable_save_unfull_chunk:
-            blocks.append(BlockHash(req.block_keys[full], remainder, False))
+            blocks.append(BlockHash(str(req.hash_ids[full]), remainder, False))
         return blocks
 
     def _dispatch(self, req: TraceRequest, now: float) -> None:
@@ -182,7 +182,8 @@ class Replay:
         inst = self.instances[slot]
         inst.requests += 1
         full_keys = tuple(keys[: n // TRACE_BLOCK_TOKENS])
-        inst.engine.submit(EngineRequest(rid, full_keys, n, req.output_length), now)
+        # Every request yields at least its first token, whatever the trace recorded.
+        inst.engine.submit(EngineRequest(rid, full_keys, n, max(1, req.output_length)), now)
         if not inst.busy:
             inst.busy = True
             self._push(now, _STEP_START, slot)
@@ -261,7 +262,9 @@ class SimulationResult:
 
 
 def hit_ratio_reference(requests: Sequence[TraceRequest], fleet_capacity_blocks: int) -> HitRatioReference:
-    return HitRatioReference(ideal_hit_ratio(requests), fleet_lru_hit_ratio(requests, fleet_capacity_blocks))
+    # The simulated engines' blocks are the trace's.
+    ideal = ideal_hit_ratio(requests, engine_block_tokens=TRACE_BLOCK_TOKENS)
+    return HitRatioReference(ideal, fleet_lru_hit_ratio(requests, fleet_capacity_blocks))
 
 
 def simulate(
