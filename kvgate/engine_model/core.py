@@ -223,14 +223,7 @@ class EngineCore:
                 if seq.max_tokens == 1:
                     self._finish(seq, out)
         self._uncomputed -= out.prefill_tokens_computed
-        for seq in decodes:
-            seq.generated += 1
-            out.tokens.append(seq.request_id)
-            if seq.generated >= seq.max_tokens:
-                self._finish(seq, out)
-        if out.finished:
-            done_ids = set(out.finished)
-            self._running = [s for s in self._running if s.request_id not in done_ids]
+        self._advance_decodes(decodes, 1, out)
         out.duration_s = duration
         self._publish(added, evicted)
         return out
@@ -301,6 +294,10 @@ class EngineCore:
             steps += 1
         out.duration_s = elapsed
         out.num_steps = steps
+        self._advance_decodes(decodes, steps, out)
+
+    def _advance_decodes(self, decodes: list[_Sequence], steps: int, out: StepOutcome) -> None:
+        """Each decoding sequence gains `steps` tokens; those at max_tokens finish and leave."""
         for seq in decodes:
             seq.generated += steps
             out.tokens.append(seq.request_id)
