@@ -236,3 +236,25 @@ def test_endpoint_parsing():
     assert Endpoint.parse("http://[::1]:81").host == "::1"
     with pytest.raises(ValueError):
         Endpoint.parse("ftp://x")
+
+
+@both_loops
+async def test_a_reader_holding_back_a_large_answer_is_not_timed_out():
+    body = b"x" * (2 * 1024 * 1024)  # well past the buffer that pauses reading
+    async with ByteServer(ok(body)) as server:
+        pool = UpstreamPool(connect_timeout_s=2, read_timeout_s=0.1)
+        response = await pool.post(server.url, "/v1/completions", "", b"{}")
+        checks = 0
+        check_timeout = response._connection._check_timeout
+
+        def counted() -> None:
+            nonlocal checks
+            checks += 1
+            check_timeout()
+
+        response._connection._check_timeout = counted  # type: ignore[method-assign]
+        await asyncio.sleep(0.5)  # a slow client: five read timeouts without reading
+        assert await response.read() == body
+        response.release()
+        assert checks < 20  # the timer sleeps while reading is paused, it does not spin
+        assert pool.idle_count() == 1

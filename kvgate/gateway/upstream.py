@@ -248,9 +248,11 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         if not self._busy or self.message_complete:
             return
-        due = self._last_data + self._read_timeout_s
-        if self._paused or due > self.loop.time():
-            self._timer = self.loop.call_at(max(due, self.loop.time() + 0.001), self._check_timeout)
+        now = self.loop.time()
+        # While paused no bytes can come; resuming restarts the wait (read_chunk sets _last_data).
+        due = now + self._read_timeout_s if self._paused else self._last_data + self._read_timeout_s
+        if due > now:
+            self._timer = self.loop.call_at(due, self._check_timeout)
             return
         self._fail(TimeoutError())
         self._close()
