@@ -258,3 +258,13 @@ async def test_a_reader_holding_back_a_large_answer_is_not_timed_out():
         response.release()
         assert checks < 20  # the timer sleeps while reading is paused, it does not spin
         assert pool.idle_count() == 1
+
+
+@both_loops
+async def test_a_connection_the_engine_closed_while_idle_is_not_reused():
+    async with ByteServer(lambda request: [*ok()(request), b""]) as server:  # answer, then close
+        pool = UpstreamPool(connect_timeout_s=2, read_timeout_s=5)
+        await post(pool, server.url)
+        await asyncio.sleep(0.05)  # the close arrives while the connection is idle in the pool
+        assert await post(pool, server.url) == (200, "application/json", b'{"ok":true}')
+        assert server.connections == 2

@@ -137,6 +137,7 @@ class _Connection(asyncio.Protocol):
             self._close()
 
     def eof_received(self) -> bool:
+        self.closed = True  # never handed out again, even before connection_lost runs
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
