@@ -72,6 +72,7 @@ def test_serve_answers_until_sigterm(tmp_path):
         assert [m["id"] for m in models["data"]] == ["m"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
+        assert "event loop uvloop" in process.stderr.read()  # the fast loop is really the one serving
     finally:
         if process.poll() is None:
             process.kill()
