@@ -36,13 +36,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tabulate import tabulate
 
-from kvgate.bench.loadgen import ClosedLoopResult, closed_loop_in_process, in_own_process
+from kvgate.bench.loadgen import OVERHEAD_PROMPT, ClosedLoopResult, closed_loop_in_process, in_own_process
 from kvgate.bench.routers import instant_backends
 from kvgate.kvs_client.launch import LocalProcess, free_port
 from kvgate.mock_engine.server import DEFAULT_MODEL
 
-# Below the cache-aware threshold, like the short chat turns that make up most of a gateway's traffic.
-PROMPT = ("The gateway reads the request, picks an instance and relays the answer. " * 40)[:2048]
 _START_TIMEOUT_S = 90.0
 
 
@@ -157,7 +155,7 @@ def gateway_process(backend_url: str, log_dir: Path) -> Iterator[GatewayProcess]
 
 
 def _loop(config: OverheadConfig, base_url: str, concurrency: int) -> ClosedLoopResult:
-    body = json.dumps({"model": DEFAULT_MODEL, "prompt": PROMPT, "max_tokens": 1, "stream": config.stream}).encode()
+    body = json.dumps({"model": DEFAULT_MODEL, "prompt": OVERHEAD_PROMPT, "max_tokens": 1, "stream": config.stream}).encode()
     return in_own_process(closed_loop_in_process, f"{base_url}/v1/completions", body, concurrency,
                           config.duration_s, config.max_requests, timeout_s=config.duration_s + 60.0)
 
