@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from unittest.mock import patch
 
 import cbor2
 import numpy as np
@@ -12,6 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgate.scheduler import hashing
 from kvgate.scheduler.hashing import (
     cbor_head,
     cbor_seed_hash,
@@ -226,3 +228,21 @@ def test_long_prompt_equals_plain():
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 160_000, size=256 * 20 + 17).tolist()
     assert values(hash_blocks("sha256_cbor", tokens, 256, True)) == _plain_sha256_cbor(tokens, 256, True, "0")
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(8192 * 3 + 5, 256), (8192 * 2 + 3, 7), (25_000, 10_000)])
+@pytest.mark.parametrize("save", [False, True])
+def test_prompts_spanning_several_encode_groups_equal_plain(length, chunk, save):
+    # Encoding runs in groups of ~8192 tokens; chunks and the unfull tail must cross them intact.
+    tokens = np.random.default_rng(length).integers(0, 2**20, size=length).tolist()
+    assert values(hash_blocks("sha256_cbor", tokens, chunk, save)) == _plain_sha256_cbor(
+        tokens, chunk, save, "0"
+    )
+
+
+@settings(max_examples=60)
+@given(st.lists(uint64s, max_size=120), st.integers(1, 9), st.booleans())
+def test_sha256_cbor_with_tiny_encode_groups_equals_plain(tokens, chunk, save):
+    with patch.object(hashing, "_CBOR_TOKENS_PER_ENCODE", 8):
+        fast = values(hash_blocks("sha256_cbor", tokens, chunk, save))
+    assert fast == _plain_sha256_cbor(tokens, chunk, save, "0")

@@ -119,31 +119,51 @@ def cbor_seed_hash(seed: str) -> bytes:
     return _cbor_sha256(seed or "0")
 
 
+# Tokens encoded per numpy call. Encoding a 128K-token prompt at once makes ~1 MB temporaries,
+# above glibc's mmap threshold: each call then maps fresh pages and faults them in, which doubled
+# the hashing time. Groups of this size keep every temporary below 128 KiB, reused from the heap.
+_CBOR_TOKENS_PER_ENCODE = 8192
+
+
 def hash_sha256_cbor(
     token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0"
 ) -> list[BlockHash]:
     tokens = _uint64_array(token_ids)
     if tokens is None:
         return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed)
-    bounds = list(_chunk_bounds(len(tokens), chunk_size, save_unfull_chunk))
-    encoded, item_ends = cbor_uints(tokens)
-    view = memoryview(encoded)
-    byte_ends = item_ends[[end - 1 for _, end in bounds]].tolist()
     full_list_head = cbor_head(4, chunk_size)
     parent = cbor_seed_hash(seed)
     out = []
-    byte_start = 0
-    for (start, end), byte_end in zip(bounds, byte_ends, strict=True):
-        full = end - start == chunk_size
-        digest = hashlib.sha256(_CBOR_TRIPLE_AND_BYTES32_HEAD)
-        digest.update(parent)
-        digest.update(full_list_head if full else cbor_head(4, end - start))
-        digest.update(view[byte_start:byte_end])
-        digest.update(_CBOR_NULL)
-        parent = digest.digest()
-        out.append(BlockHash(parent.hex(), end - start, full))
-        byte_start = byte_end
+    for group in _chunk_groups(_chunk_bounds(len(tokens), chunk_size, save_unfull_chunk), chunk_size):
+        first = group[0][0]
+        encoded, item_ends = cbor_uints(tokens[first : group[-1][1]])
+        view = memoryview(encoded)
+        byte_ends = item_ends[[end - first - 1 for _, end in group]].tolist()
+        byte_start = 0
+        for (start, end), byte_end in zip(group, byte_ends, strict=True):
+            full = end - start == chunk_size
+            digest = hashlib.sha256(_CBOR_TRIPLE_AND_BYTES32_HEAD)
+            digest.update(parent)
+            digest.update(full_list_head if full else cbor_head(4, end - start))
+            digest.update(view[byte_start:byte_end])
+            digest.update(_CBOR_NULL)
+            parent = digest.digest()
+            out.append(BlockHash(parent.hex(), end - start, full))
+            byte_start = byte_end
     return out
+
+
+def _chunk_groups(bounds: Iterator[tuple[int, int]], chunk_size: int) -> Iterator[list[tuple[int, int]]]:
+    """Consecutive chunk bounds, at least one and about _CBOR_TOKENS_PER_ENCODE tokens per group."""
+    per_group = max(1, _CBOR_TOKENS_PER_ENCODE // chunk_size)
+    group: list[tuple[int, int]] = []
+    for chunk in bounds:
+        group.append(chunk)
+        if len(group) == per_group:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def hash_sha256_cbor_with_cbor2(
