@@ -46,8 +46,6 @@ class StepOutcome:
     duration_s: float = 0.0
     # (request id, seconds it waited between submit and admission) for requests admitted this step.
     admitted: list[tuple[str, float]] = field(default_factory=list)
-    # Prompt tokens found in the prefix cache, per request admitted this step (usage.cached_tokens).
-    cached_tokens: dict[str, int] = field(default_factory=dict)
     # Request id -> prompt tokens found in the prefix cache, for requests admitted this step
     # (what vLLM reports per request as usage.prompt_tokens_details.cached_tokens).
     cached_tokens: dict[str, int] = field(default_factory=dict)
@@ -57,7 +55,6 @@ class StepOutcome:
     tokens: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     prefill_tokens_computed: int = 0
-    cached_tokens_hit: int = 0
     # More than 1 only when step() was allowed to fast-forward through decode-only steps.
     num_steps: int = 1
 
@@ -252,8 +249,6 @@ class EngineCore:
             self._uncomputed -= cached
             self._queries += seq.prompt
             self._hits += cached
-            out.cached_tokens_hit += cached
-            out.cached_tokens[seq.request_id] = cached
             out.cached_tokens[seq.request_id] = cached
             out.admitted.append((seq.request_id, now - seq.submitted_at))
         return evicted

@@ -36,7 +36,6 @@ class PublicationQueue:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
-        self.failed_batches = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"publish-{self._name}")
@@ -73,7 +72,6 @@ class PublicationQueue:
             if added:
                 await self._publisher.publish(added)
         except Exception as exc:  # the index is advice: log and carry on with the next batch
-            self.failed_batches += 1
             logger.warning(
                 "%s: publishing %d and withdrawing %d block keys failed: %s",
                 self._name,
