@@ -8,6 +8,7 @@ finish; its answer reports what is still in flight so an operator knows when rem
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -70,19 +71,21 @@ async def _add(request: web.Request) -> web.Response:
 
 async def _drain(request: web.Request) -> web.Response:
     gateway = _authorized(request)
-    try:
-        state = gateway.registry.drain(request.match_info["id"])
-    except RegistryError as exc:
-        raise APIError(404, str(exc), code="instance_not_found") from None
+    state = _known(gateway.registry.drain, request)
     return json_response(_describe(gateway, state))
 
 
 async def _remove(request: web.Request) -> web.Response:
     gateway = _authorized(request)
-    try:
-        state = gateway.registry.remove(request.match_info["id"])
-    except RegistryError as exc:
-        raise APIError(404, str(exc), code="instance_not_found") from None
+    state = _known(gateway.registry.remove, request)
     # Requests already sent finish normally; their account entries still release.
     gateway.metrics.instance_healthy.remove(state.id)
     return json_response(_describe(gateway, state))
+
+
+def _known(action: Callable[[str], InstanceState], request: web.Request) -> InstanceState:
+    """Apply a registry action to the instance named in the path; 404 if there is none."""
+    try:
+        return action(request.match_info["id"])
+    except RegistryError as exc:
+        raise APIError(404, str(exc), code="instance_not_found") from None
