@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.gateway.errors import Handler
-from kvgate.gateway.forwarder import REQUEST_ID_HEADER
+from kvgate.gateway.relay import REQUEST_ID_HEADER
 from kvgate.metrics.definitions import GatewayMetrics
 
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -1,0 +1,113 @@
+"""Relay an engine's answer to the client: whole JSON answers and SSE streams, cut at event ends.
+
+Every path that answers a client from an engine (a whole request, or the decode half of a
+prefill/decode hand-off) relays through here, so streaming behaves the same on all of them:
+- A whole answer (JSON, a relayed 4xx) is read completely before anything is sent, so a break
+  half-way is still the caller's to retry.
+- A stream is relayed chunk by chunk and cut only at event boundaries, so a failure never splits
+  an event: after the first byte an upstream failure ends the stream with an OpenAI-style error
+  event and `data: [DONE]`; before it, `RetryableFailure` tells the caller another instance may
+  answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+from aiohttp import web
+
+from kvgate.gateway.errors import error_payload
+from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# TimeoutError and connection failures are OSErrors.
+UPSTREAM_ERRORS = (OSError, UpstreamError)
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class RetryableFailure(Exception):
+    """The attempt failed before the client received anything: another instance may answer."""
+
+
+async def relay_answer(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    request_id: str,
+    on_first_byte: Callable[[], None],
+) -> web.StreamResponse:
+    """The engine's answer as the client's. `upstream.status` is below 500 (5xx is the caller's)."""
+    if upstream.status != 200 or upstream.media_type != "text/event-stream":
+        body = await upstream.read()
+        on_first_byte()
+        headers = {"Content-Type": upstream.content_type or "application/json", REQUEST_ID_HEADER: request_id}
+        if upstream.content_encoding:
+            headers["Content-Encoding"] = upstream.content_encoding
+        return web.Response(status=upstream.status, body=body, headers=headers)
+    return await relay_stream(request, upstream, request_id, on_first_byte)
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    request_id: str,
+    on_first_byte: Callable[[], None],
+) -> web.StreamResponse:
+    response: web.StreamResponse | None = None
+    pending = b""  # bytes of an event not yet complete
+    while True:
+        try:
+            chunk = await upstream.read_chunk()
+        except UPSTREAM_ERRORS as exc:
+            if response is None:
+                raise RetryableFailure(describe(exc)) from None
+            await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
+            return response
+        if not chunk:
+            break
+        if response is None:
+            on_first_byte()
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                         REQUEST_ID_HEADER: request_id}
+            )
+            await response.prepare(request)
+        pending += chunk
+        cut = _events_end(pending)
+        if cut:
+            if not await _write(response, pending[:cut]):
+                return response
+            pending = pending[cut:]
+    if response is None:
+        raise RetryableFailure("the engine closed the stream without sending anything")
+    if pending and not await _write(response, pending):
+        return response
+    await response.write_eof()
+    return response
+
+
+def _events_end(buffer: bytes) -> int:
+    """Index just past the last complete SSE event in `buffer` (0 if none is complete)."""
+    lf, crlf = buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> bool:
+    """False when the client is gone (the handler is usually cancelled before we get here)."""
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        return False
+    return True
+
+
+async def end_with_error(response: web.StreamResponse, message: str) -> None:
+    event = b"data: " + orjson.dumps(error_payload(502, message, code="upstream_stream_error")) + b"\n\n"
+    if await _write(response, event + SSE_DONE):
+        await response.write_eof()
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
