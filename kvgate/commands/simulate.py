@@ -15,10 +15,10 @@ import orjson
 from tabulate import tabulate
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
-from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.config.settings import Settings
+from kvgate.scheduler.registry import POLICY_NAMES, check_settings
 from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS
 
-_POLICIES = [p.value for p in DispatchPolicy]
 # Columns of the comparison table: (summary field, header, format).
 _COLUMNS = (
     ("policy", "policy", "{}"),
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--policy",
         dest="dispatch_policy",
-        choices=_POLICIES,
+        choices=POLICY_NAMES,
         default=argparse.SUPPRESS,
         help="same as --dispatch-policy",
     )
@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--instances and --limit must be >= 1")
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
+        check_settings(base)
         requests = read_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -102,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     reference = hit_ratio_reference(requests, args.num_instances * profile.cache_capacity_blocks)
     show_progress = not args.json and sys.stderr.isatty()
     results = {}
-    for policy in policies or [base.effective_policy.value]:
-        settings = base.model_copy(update={"dispatch_policy": DispatchPolicy(policy)}) if policies else base
+    for policy in policies or [base.effective_policy]:
+        settings = base.model_copy(update={"dispatch_policy": policy}) if policies else base
         try:
             results[policy] = simulate(
                 requests,
@@ -149,9 +150,9 @@ def _policies(args: argparse.Namespace) -> list[str]:
     if not args.policies:
         return []
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in _POLICIES]
+    unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
-        raise ValueError(f"--policies: unknown {unknown or 'empty list'}; choose from {', '.join(_POLICIES)}")
+        raise ValueError(f"--policies: unknown {unknown or 'empty list'}; choose from {', '.join(POLICY_NAMES)}")
     return list(dict.fromkeys(names))
 
 

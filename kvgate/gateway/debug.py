@@ -35,7 +35,7 @@ async def _schedule(request: web.Request) -> web.Response:
         "selected": plan.decision.selected,
         "ranking": list(plan.decision.ranking),
         "cache_aware": plan.decision.cache_aware,
-        "policy": gateway.settings.effective_policy.value,
+        "policy": gateway.settings.effective_policy,
         "num_prompt_tokens": plan.num_prompt_tokens,
         "block_keys": plan.block_keys,
         "kvs_status": plan.kvs_status,
