@@ -18,7 +18,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvgate.config.settings import Settings
 from kvgate.gateway import admin, debug
-from kvgate.gateway.admission import check_admission
 from kvgate.gateway.background import every
 from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
@@ -31,9 +30,10 @@ from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
-from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
+from kvgate.metrics.definitions import gateway_metrics, kvs_metrics, ttft_metrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.router import Scheduler
 
@@ -94,7 +94,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
-    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics)
+    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
+                                  ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)))
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
@@ -136,11 +137,12 @@ async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) 
     gateway = request.app[GATEWAY]
     parsed = parse(await request.read())
     plan = await gateway.planner.plan(parsed)
-    try:
-        check_admission(plan, gateway.settings.ttft_slo_s, gateway.settings.prefill_tokens_per_s)
-    except APIError:
+    # The rejection filter; a prefill/decode split passes its decode instance's load here.
+    rejection = gateway.scheduler.judge(plan.decision, plan.candidates)
+    if rejection is not None:
         gateway.metrics.admission_rejections.inc()
-        raise
+        raise APIError(429, rejection.message, code=rejection.code,
+                       headers={"Retry-After": str(rejection.retry_after_s)})
     assert gateway.forwarder is not None, "the application has not started"
     return await gateway.forwarder.forward(request, parsed, plan, request[REQUEST_ID], arrived)
 

@@ -32,13 +32,20 @@ class APIError(Exception):
     """A failure the client should see, with its HTTP status and OpenAI error fields."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429
 
 
 def error_payload(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -63,7 +70,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc)
+        return error_response(exc, headers=exc.headers)
     except web.HTTPRequestEntityTooLarge:
         limit = request.client_max_size
         return error_response(APIError(413, f"request body too large: the limit is {limit} bytes",

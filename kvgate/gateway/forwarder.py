@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -32,6 +33,7 @@ from kvgate.gateway.relay import (
     relay_answer,
 )
 from kvgate.gateway.routing import RoutePlan
+from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.metrics.definitions import GatewayMetrics
 
@@ -48,7 +50,9 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        ttft_feedback: TTFTFeedback | None = None,
     ) -> None:
+        self._ttft_feedback = ttft_feedback
         self._upstream = upstream
         self._registry = registry
         self._tracker = tracker
@@ -80,11 +84,13 @@ class Forwarder:
                 self._metrics.forward_retries.labels(last_failed).inc()
             key = f"{request_id}#{next(self._sequence)}"
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
+            on_first_byte = (self._ttft_feedback.dispatched(plan, instance_id, parsed.max_tokens)
+                             if self._ttft_feedback is not None else None)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived)
+                                               arrived, on_first_byte)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 last_failed = instance_id
@@ -112,6 +118,7 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         try:
             upstream = await self._upstream.post(url, path, headers, payload)
@@ -120,7 +127,7 @@ class Forwarder:
         try:
             if upstream.status >= 500:
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
-            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived))
+            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived, on_first_byte))
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
@@ -128,8 +135,10 @@ class Forwarder:
             # closed, which also tells the engine to abort (client hang-up, failures).
             upstream.release()
 
-    def _first_byte(self, key: str, arrived: float) -> None:
+    def _first_byte(self, key: str, arrived: float, on_first_byte: Callable[[], None] | None) -> None:
         self._tracker.first_token(key)
+        if on_first_byte is not None:
+            on_first_byte()
         self._metrics.ttft_seconds.observe(time.perf_counter() - arrived)
 
     def _observe_hit_ratio(self, plan: RoutePlan, instance_id: str) -> None:

@@ -87,42 +87,63 @@ class ParsedRequest:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    # max_completion_tokens, else max_tokens (None when neither is sent): the rejection filter's
+    # estimate of the decode it will cost.
+    max_tokens: int | None = None
 
 
 def parse_completion(raw: bytes) -> ParsedRequest:
     body = _json_object(raw)
+    max_tokens = _max_tokens(body)
     model, stream, prompt = body.get("model"), body.get("stream", False), body.get("prompt")
     if type(model) is str and model and type(stream) is bool and prompt:
         if type(prompt) is str:
-            return ParsedRequest(False, model, stream, body, raw, prompt_text=prompt)
+            return ParsedRequest(False, model, stream, body, raw, prompt_text=prompt, max_tokens=max_tokens)
         if type(prompt) is list and type(prompt[0]) is int and _token_ids(prompt):
-            return ParsedRequest(False, model, stream, body, raw, prompt_ids=prompt)
+            return ParsedRequest(False, model, stream, body, raw, prompt_ids=prompt, max_tokens=max_tokens)
     return validated_completion(body, raw)
 
 
 def parse_chat(raw: bytes) -> ParsedRequest:
     body = _json_object(raw)
+    max_tokens = _max_tokens(body)
     model, stream, messages = body.get("model"), body.get("stream", False), body.get("messages")
     if (type(model) is str and model and type(stream) is bool and type(messages) is list and messages
             and all(type(m) is dict and type(m.get("role")) is str and m["role"]
                     and (m.get("content") is None or type(m["content"]) is str) for m in messages)):
-        return ParsedRequest(True, model, stream, body, raw, messages=messages)
+        return ParsedRequest(True, model, stream, body, raw, messages=messages, max_tokens=max_tokens)
     return validated_chat(body, raw)
 
 
 def validated_completion(body: dict[str, Any], raw: bytes) -> ParsedRequest:
     """The full validation (pydantic), for bodies the quick check in parse_completion did not accept."""
     request = _validate(CompletionBody, body)
-    prompt = request.prompt
+    prompt, max_tokens = request.prompt, _max_tokens(body)
     if isinstance(prompt, str):
-        return ParsedRequest(False, request.model, request.stream, body, raw, prompt_text=prompt)
-    return ParsedRequest(False, request.model, request.stream, body, raw, prompt_ids=prompt)
+        return ParsedRequest(False, request.model, request.stream, body, raw, prompt_text=prompt,
+                             max_tokens=max_tokens)
+    return ParsedRequest(False, request.model, request.stream, body, raw, prompt_ids=prompt,
+                         max_tokens=max_tokens)
 
 
 def validated_chat(body: dict[str, Any], raw: bytes) -> ParsedRequest:
     """The full validation (pydantic), for bodies the quick check in parse_chat did not accept."""
     request = _validate(ChatBody, body)
-    return ParsedRequest(True, request.model, request.stream, body, raw, messages=body["messages"])
+    return ParsedRequest(True, request.model, request.stream, body, raw, messages=body["messages"],
+                         max_tokens=_max_tokens(body))
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    """max_completion_tokens (the newer name) else max_tokens; a non-integer or negative one is a 400."""
+    value = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        given = body.get(name)
+        if given is None:
+            continue
+        if type(given) is not int or given < 0:
+            raise APIError(400, f"invalid '{name}': must be a non-negative integer", param=name)
+        value = given
+    return value
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

@@ -38,6 +38,37 @@ class GatewayMetrics:
     instance_healthy: Gauge  # instance
 
 
+# --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
+# Measured minus predicted TTFT, seconds: negative when the model was pessimistic.
+_ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, -0.05, -0.01, 0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True)
+class TTFTMetrics:
+    prediction_error_seconds: Histogram
+    calibration_factor: Gauge  # instance, term: compute | transfer
+    calibration_observations: Gauge  # instance
+
+
+def ttft_metrics(registry: CollectorRegistry) -> TTFTMetrics:
+    return TTFTMetrics(
+        prediction_error_seconds=Histogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Measured minus predicted TTFT (first byte minus dispatch) on the instance the request went to.",
+            buckets=_ERROR_BUCKETS, registry=registry,
+        ),
+        calibration_factor=Gauge(
+            "kvgate_ttft_calibration_factor",
+            "Per-instance factor the TTFT model applies to its profile's compute (queue + prefill) or transfer.",
+            ["instance", "term"], registry=registry,
+        ),
+        calibration_observations=Gauge(
+            "kvgate_ttft_calibration_observations", "Measured TTFTs the instance's calibration has used.",
+            ["instance"], registry=registry,
+        ),
+    )
+
+
 def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
     return KVSMetrics(
         query_seconds=Histogram(
@@ -96,7 +127,7 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
             ["instance"], registry=registry,
         ),
         admission_rejections=Counter(
-            "kvgate_admission_rejections", "Requests refused with 429 because the predicted TTFT misses the SLO.",
+            "kvgate_admission_rejections", "Requests refused with 429 because they are predicted to miss the TTFT or TBT SLO.",
             registry=registry,
         ),
         inflight_requests=Gauge(
