@@ -17,7 +17,7 @@ from tabulate import tabulate
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.settings import Settings
 from kvgate.scheduler.registry import POLICY_NAMES, check_settings
-from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS
+from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS, STORE_MODELS
 
 # Columns of the comparison table: (summary field, header, format).
 _COLUMNS = (
@@ -30,6 +30,10 @@ _COLUMNS = (
     ("p99_ttft_s", "p99 TTFT s", "{:.3f}"),
     ("mean_queue_s", "mean queue s", "{:.3f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
+    ("transfer_tokens", "transfer tok", "{}"),
+    ("rejected", "rejected", "{}"),
+    ("slo_attainment", "within SLO", "{:.1%}"),
+    ("goodput_rps", "goodput/s", "{:.2f}"),
     ("prefill_busy_ratio", "prefill busy", "{:.0%}"),
     ("max_instance_requests", "max/inst", "{}"),
     ("min_instance_requests", "min/inst", "{}"),
@@ -73,6 +77,13 @@ def add_parser(subparsers) -> None:
         help=f"reusable KV cache of each instance in 512-token blocks (default {DEFAULT_CACHE_BLOCKS}: "
         f"HBM {HBM_BLOCKS} + host DRAM in the Mooncake store; {HBM_BLOCKS} = HBM only)",
     )
+    parser.add_argument(
+        "--store-model",
+        choices=STORE_MODELS,
+        default="shared",
+        help="shared (default): HBM per instance + a DRAM segment each in one pool any instance loads from"
+        " (host link for its own, network for others'); local: one free cache per instance, no sharing",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler's random choices")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", help="write TTFT CDFs per policy to this image file")
@@ -114,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 show_progress=show_progress,
                 reference=reference,
+                store_model=args.store_model,
             )
         except ValueError as exc:
             print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -123,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "trace": args.trace,
         "instances": args.num_instances,
         "time_scale": args.time_scale,
+        "store_model": args.store_model,
         "cache_capacity_blocks": profile.cache_capacity_blocks,
         "ideal_hit_ratio": reference.ideal,
         "fleet_lru_hit_ratio": reference.fleet_lru,
@@ -166,7 +179,8 @@ def _report(header: dict, summaries: list[dict]) -> str:
     return "\n".join(
         [
             f"trace {header['trace']}: {summaries[0]['requests']} requests, {header['instances']} instances,"
-            f" time scale {header['time_scale']:g}, KV cache {header['cache_capacity_blocks']} blocks/instance",
+            f" time scale {header['time_scale']:g}, KV cache {header['cache_capacity_blocks']} blocks/instance,"
+            f" {header['store_model']} store",
             f"hit ratio bounds: ideal (one infinite cache) {header['ideal_hit_ratio']:.1%},"
             f" one LRU as large as the fleet {header['fleet_lru_hit_ratio']:.1%}",
             "",

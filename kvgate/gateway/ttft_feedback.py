@@ -29,9 +29,7 @@ class TTFTFeedback:
     def dispatched(self, plan: RoutePlan, instance_id: str, max_tokens: int | None) -> Callable[[], None]:
         """Record the dispatch; returns what to call at the attempt's first byte."""
         now = self._clock()
-        prediction = self._scheduler.observe_dispatch(
-            plan.decision, instance_id, plan.num_prompt_tokens, max_tokens, now
-        )
+        prediction = self._scheduler.observe_dispatch(plan.decision, instance_id, plan.num_prompt_tokens, max_tokens)
         if prediction is None:
             return _nothing
         return lambda: self._first_byte(prediction, now)

@@ -52,16 +52,14 @@ class Scheduler:
         candidates: Sequence[Candidate],
         *,
         disk_locations: Sequence[Collection[str]] | None = None,
-        now: float = 0.0,
     ) -> Decision:
         """Rank `candidates`. `locations` (memory replicas) None means the store did not answer: no
-        hits, load only. `disk_locations` count only with --kvs-query-disk-tier. `now` drives the
-        TTFT model's queue clock (seconds, the caller's monotonic clock)."""
+        hits, load only. `disk_locations` count only with --kvs-query-disk-tier."""
         hits = TieredHits.empty()
         if locations is not None and self.wants_kvs(num_prompt_tokens):
             disk = disk_locations if self._settings.kvs_query_disk_tier else None
             hits = tiered_hits(blocks, locations, disk, self.endpoint_map, num_prompt_tokens)
-        predictions = Predictions(self.ttft, candidates, num_prompt_tokens, hits, now)
+        predictions = Predictions(self.ttft, candidates, num_prompt_tokens, hits)
         request = RoutingRequest(num_prompt_tokens, hits.local, predictions)
         return self.policy.select(request, candidates)
 
@@ -80,14 +78,14 @@ class Scheduler:
         return self.rejection.judge(decision.predictions[decision.selected], decode_load, self.ttft)
 
     def observe_dispatch(
-        self, decision: Decision, instance_id: str, num_prompt_tokens: int, max_tokens: int | None, now: float
+        self, decision: Decision, instance_id: str, num_prompt_tokens: int, max_tokens: int | None
     ) -> TTFTPrediction | None:
-        """A request was sent to `instance_id`: its prefill joins that queue. Returns the prediction
-        to hand back to observe_ttft with the measured TTFT."""
+        """A request was sent to `instance_id` (the traffic's running means learn from it). Returns
+        the prediction to hand back to observe_ttft with the measured TTFT."""
         if decision.predictions is None or instance_id not in decision.predictions:
             return None
         prediction = decision.predictions[instance_id]
-        self.ttft.observe_dispatch(prediction, num_prompt_tokens, max_tokens, now)
+        self.ttft.observe_request(num_prompt_tokens, max_tokens)
         return prediction
 
     def observe_ttft(self, prediction: TTFTPrediction, measured_s: float) -> float:

@@ -4,10 +4,11 @@
   profile's prefill curve.
 - T_transfer prices the tokens it loads from other segments (network bandwidth) or disk tiers
   (disk bandwidth) at the model's KV bytes per token. Its own segment counts as its prefix cache.
-- T_queue prices the prefill work queued there (the dispatch account's uncomputed tokens) on the
-  same curve, and drains as time passes: every dispatch pushes the instance's predicted busy-until
-  time, and the queue is the smaller of what is left of it and the account's tokens, so work done
-  since then is not counted twice and an account emptied by first tokens means no queue.
+- T_queue prices the prefill work queued there (the dispatch account's uncomputed tokens, which
+  already merges what the engine reports) on the same curve, at the mean prompt's cost per token.
+  Work done since dispatch leaves the account at each first token (a request at a time): the
+  engines compute several prefills at once (chunked prefill), so subtracting the time elapsed
+  since the last first token overstated progress and measured worse in simulation.
 - Which prefix: Conductor's rule. The pool's longer prefix is loaded only when it is
   `kvcache_balancing_threshold` times the local one or more; otherwise the rest is computed.
 
@@ -80,20 +81,18 @@ class TTFTPrediction:
     transfer_tokens: int  # loaded from other segments or disk tiers
     local_hit_tokens: int
     prefix_tokens: int  # the prefix it starts from (local, or the pool's when it loads it)
-    # Before calibration, for the calibration and the queue clock.
-    raw_queue_s: float
+    # Before calibration, for the calibration.
     raw_compute_s: float  # queue + prefill
     raw_transfer_s: float
 
 
 class TTFTModel:
-    """Profile + per-instance calibration + the dispatch clock that drains queues. Pure: time is
-    passed in; state changes only through observe_dispatch / observe_ttft / forget."""
+    """Profile + per-instance calibration + running means of the traffic. Pure: state changes
+    only through observe_request / observe_ttft / forget."""
 
     def __init__(self, profile: TTFTProfile, calibrate: bool = True) -> None:
         self.profile = profile
         self.calibration = Calibration(enabled=calibrate)
-        self._busy_until: dict[str, float] = {}
         # Running means of the traffic, for the queue price and the decode model.
         self.mean_prompt_tokens = 4096.0
         self.mean_output_tokens = 256.0
@@ -103,7 +102,6 @@ class TTFTModel:
         candidate: Candidate,
         num_prompt_tokens: int,
         hits: TieredHits,
-        now: float,
     ) -> TTFTPrediction:
         profile = self.profile
         instance_id = candidate.id
@@ -118,7 +116,7 @@ class TTFTModel:
         transfer = (network / profile.network_bytes_per_s + disk / profile.disk_bytes_per_s) * (
             profile.kv_bytes_per_token
         )
-        queue = self.queue_s(candidate, now)
+        queue = self.queue_s(candidate)
         compute_factor, transfer_factor = self.calibration.factors(instance_id)
         return TTFTPrediction(
             instance_id,
@@ -129,29 +127,21 @@ class TTFTModel:
             network + disk,
             local,
             prefix,
-            queue,
             queue + prefill,
             transfer,
         )
 
-    def queue_s(self, candidate: Candidate, now: float) -> float:
+    def queue_s(self, candidate: Candidate) -> float:
         """Uncalibrated seconds of prefill queued on the instance ahead of a new request."""
         queued_tokens = candidate.load.all_prefills_tokens_num
         if queued_tokens <= 0:
             return 0.0
-        priced = queued_tokens * self.profile.prefill.per_token_s(self.mean_prompt_tokens)
-        left = self._busy_until.get(candidate.id)
-        return priced if left is None else min(priced, max(0.0, left - now))
+        return queued_tokens * self.profile.prefill.per_token_s(self.mean_prompt_tokens)
 
     # --- what happened ---
 
-    def observe_dispatch(
-        self, prediction: TTFTPrediction, num_prompt_tokens: int, max_tokens: int | None, now: float
-    ) -> None:
-        """The request went to prediction.instance_id: its prefill joins that queue."""
-        instance_id = prediction.instance_id
-        queue_end = max(self._busy_until.get(instance_id, now), now + prediction.raw_queue_s)
-        self._busy_until[instance_id] = queue_end + prediction.raw_compute_s - prediction.raw_queue_s
+    def observe_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """A dispatched request, for the running means of prompt and output lengths."""
         self.mean_prompt_tokens += _MEAN_WEIGHT * (num_prompt_tokens - self.mean_prompt_tokens)
         if max_tokens is not None:
             self.mean_output_tokens += _MEAN_WEIGHT * (max_tokens - self.mean_output_tokens)
@@ -165,7 +155,6 @@ class TTFTModel:
     def forget(self, instance_ids: Sequence[str]) -> None:
         """Instances removed: their clocks and calibration go with them."""
         for instance_id in instance_ids:
-            self._busy_until.pop(instance_id, None)
             self.calibration.forget(instance_id)
 
 
@@ -173,17 +162,15 @@ class Predictions(Mapping[str, TTFTPrediction]):
     """Every candidate's prediction for one request, computed when first read (the winner's alone
     is what most requests need)."""
 
-    __slots__ = ("_model", "_candidates", "_num_prompt_tokens", "_hits", "_now", "_cache")
+    __slots__ = ("_model", "_candidates", "_num_prompt_tokens", "_hits", "_cache")
 
     def __init__(
-        self, model: TTFTModel, candidates: Sequence[Candidate], num_prompt_tokens: int, hits: TieredHits,
-        now: float,
+        self, model: TTFTModel, candidates: Sequence[Candidate], num_prompt_tokens: int, hits: TieredHits
     ) -> None:
         self._model = model
         self._candidates = {candidate.id: candidate for candidate in candidates}
         self._num_prompt_tokens = num_prompt_tokens
         self._hits = hits
-        self._now = now
         self._cache: dict[str, TTFTPrediction] = {}
 
     @property
@@ -194,7 +181,7 @@ class Predictions(Mapping[str, TTFTPrediction]):
         prediction = self._cache.get(instance_id)
         if prediction is None:
             prediction = self._cache[instance_id] = self._model.predict(
-                self._candidates[instance_id], self._num_prompt_tokens, self._hits, self._now
+                self._candidates[instance_id], self._num_prompt_tokens, self._hits
             )
         return prediction
 

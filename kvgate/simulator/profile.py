@@ -14,6 +14,8 @@ from kvgate.simulator.trace import TRACE_BLOCK_TOKENS
 # deployment; HBM alone (--cache-capacity-blocks 832) caps every policy far below the ideal.
 HBM_BLOCKS = 832
 DEFAULT_CACHE_BLOCKS = 8 * HBM_BLOCKS
+# `kvgate simulate --store-model` (see simulator/replay.py): one shared pool, or a cache per instance.
+STORE_MODELS = ("shared", "local")
 
 
 def trace_profile(cache_capacity_blocks: int = DEFAULT_CACHE_BLOCKS) -> ServiceProfile:
