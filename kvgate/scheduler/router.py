@@ -41,8 +41,9 @@ class Scheduler:
         return self._key_format.keys(blocks)
 
     def wants_kvs(self, num_prompt_tokens: int) -> bool:
-        """Whether asking the store can change the decision for a prompt this long."""
-        return self.policy.uses_cache(num_prompt_tokens)
+        """Whether asking the store can change the decision (or the rejection filter's verdict,
+        which reads the predicted TTFT) for a prompt this long."""
+        return self.policy.uses_cache(num_prompt_tokens) or self.rejection.active
 
     def decide(
         self,

@@ -38,12 +38,13 @@ class _PoolBlock:
 class TieredHits:
     """Per-instance local and pool prefixes of one request (pure, built from a store answer)."""
 
-    __slots__ = ("local", "pool_tokens", "_blocks", "_network_cum", "_disk_cum", "_starts")
+    __slots__ = ("local", "pool_tokens", "_blocks", "_network_cum", "_disk_cum", "_starts", "_any_holder")
 
     def __init__(self, local: dict[str, int], blocks: list[_PoolBlock]) -> None:
         self.local = local
         self._blocks = blocks
         self.pool_tokens = sum(block.tokens for block in blocks)
+        self._any_holder = frozenset().union(*(block.holders for block in blocks))
         network = disk = 0
         self._network_cum, self._disk_cum, self._starts = [0], [0], [0]
         for block in blocks:
@@ -63,8 +64,8 @@ class TieredHits:
         if local >= self.pool_tokens:
             return 0, 0
         first = _block_at(self._starts, local)
-        if local == 0 or not any(instance_id in b.holders for b in self._blocks[first:]):
-            # The common case: nothing of its own past its prefix, so the prefix sums answer.
+        if instance_id not in self._any_holder:
+            # The common case: nothing of its own in the pool prefix, so the prefix sums answer.
             return self._network_cum[-1] - self._network_cum[first], self._disk_cum[-1] - self._disk_cum[first]
         network = disk = 0
         for block in self._blocks[first:]:

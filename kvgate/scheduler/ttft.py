@@ -110,8 +110,12 @@ class TTFTModel:
         if hits.pool_tokens > local and hits.pool_tokens >= local * profile.balancing_threshold:
             prefix = hits.pool_tokens
             network, disk = hits.transfer_tokens(instance_id)
-        # A fully cached prompt still computes its last token (to produce logits).
-        prefix = min(prefix, max(num_prompt_tokens - 1, 0))
+        # A fully cached prompt still computes its last token (to produce logits): not loaded either.
+        excess = max(0, prefix - max(num_prompt_tokens - 1, 0))
+        if excess:
+            prefix -= excess
+            cut = min(excess, network)
+            network, disk = network - cut, max(0, disk - (excess - cut))
         prefill = profile.prefill.chunk_s(prefix, num_prompt_tokens - prefix)
         transfer = (network / profile.network_bytes_per_s + disk / profile.disk_bytes_per_s) * (
             profile.kv_bytes_per_token
