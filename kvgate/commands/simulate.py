@@ -75,7 +75,8 @@ def add_parser(subparsers) -> None:
         type=int,
         default=DEFAULT_CACHE_BLOCKS,
         help=f"reusable KV cache of each instance in 512-token blocks (default {DEFAULT_CACHE_BLOCKS}: "
-        f"HBM {HBM_BLOCKS} + host DRAM in the Mooncake store; {HBM_BLOCKS} = HBM only)",
+        f"HBM {HBM_BLOCKS} + host DRAM in the Mooncake store; with --store-model shared an eighth is HBM, "
+        f"the rest the instance's DRAM segment; {HBM_BLOCKS} with local = HBM only)",
     )
     parser.add_argument(
         "--store-model",

@@ -18,6 +18,12 @@ DEFAULT_CACHE_BLOCKS = 8 * HBM_BLOCKS
 STORE_MODELS = ("shared", "local")
 
 
+def hbm_blocks(cache_capacity_blocks: int) -> int:
+    """The HBM part of an instance's cache under the shared store model: the default's ratio
+    (832 of 6656 blocks), the rest being its DRAM segment."""
+    return max(1, cache_capacity_blocks * HBM_BLOCKS // DEFAULT_CACHE_BLOCKS)
+
+
 def trace_profile(cache_capacity_blocks: int = DEFAULT_CACHE_BLOCKS) -> ServiceProfile:
     """The default simulated GPU (engine_model.profile) with the trace's 512-token blocks.
 

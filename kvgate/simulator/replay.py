@@ -11,8 +11,8 @@ are fast-forwarded up to the next arrival (see EngineCore.step), which is what m
 trace take seconds.
 
 Store models (`--store-model`):
-- shared (a Mooncake deployment): each instance has an HBM prefix cache of HBM_BLOCKS and a DRAM
-  segment of the rest of its capacity in one shared store (engine_model.store): what it computes
+- shared (a Mooncake deployment): each instance has an HBM prefix cache of an eighth of its
+  capacity (profile.hbm_blocks) and a DRAM segment of the rest in one shared store (engine_model.store): what it computes
   goes to its segment, and a prefix missing from HBM is loaded from its own segment at host-link
   bandwidth or from another's at network bandwidth. The index reports the segments.
 - local: one cache per instance of the whole capacity, loaded for free, reported as is (no
@@ -44,7 +44,7 @@ from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, EngineStats
-from kvgate.simulator.profile import HBM_BLOCKS, STORE_MODELS
+from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
 from kvgate.simulator.report import HitRatioReference, SimulationSummary, SLOOutcome, summarise
 from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
 
@@ -113,7 +113,7 @@ class Replay:
         self.index = EmbeddedKVSIndex()
         self.store = self._shared_store(store_model, profile, settings, len(configs))
         if self.store is not None:
-            profile = dataclasses.replace(profile, cache_capacity_blocks=HBM_BLOCKS)
+            profile = dataclasses.replace(profile, cache_capacity_blocks=hbm_blocks(profile.cache_capacity_blocks))
         self.instances = [
             SimInstance(c, EngineCore(profile, self._publisher(slot, c), self._store_loader(slot)))
             for slot, c in enumerate(configs)
@@ -140,13 +140,11 @@ class Replay:
             raise ValueError(f"--store-model: unknown {store_model!r}; choose from {', '.join(STORE_MODELS)}")
         if store_model == "local":
             return None
-        if profile.cache_capacity_blocks <= HBM_BLOCKS:
-            raise ValueError(f"the shared store model needs --cache-capacity-blocks above the HBM's {HBM_BLOCKS}"
-                             " (the rest is each instance's DRAM segment); use --store-model local for HBM only")
         # The TTFT model's profile (--kv-*) is what the simulated hardware does, until calibrated.
         store_profile = StoreProfile(settings.kv_bytes_per_token, settings.kv_host_bandwidth_gb_s * 1e9,
                                      settings.kv_network_bandwidth_gb_s * 1e9)
-        return SharedStore(count, profile.cache_capacity_blocks - HBM_BLOCKS, TRACE_BLOCK_TOKENS, store_profile)
+        capacity = profile.cache_capacity_blocks
+        return SharedStore(count, max(1, capacity - hbm_blocks(capacity)), TRACE_BLOCK_TOKENS, store_profile)
 
     def _publisher(self, slot: int, config: InstanceConfig) -> Callable[[list[str], list[str]], None]:
         index = self.index
