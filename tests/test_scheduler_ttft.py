@@ -197,13 +197,15 @@ def test_calibrated_factors_scale_the_prediction():
         ("early", 1, 0, 0.5, "ttft_slo_exceeded"),
         ("early", 30, 0, 0.05, "tbt_slo_exceeded"),  # 30 decoding now: over the TBT SLO
         ("predictive", 30, 0, 0.05, "tbt_slo_exceeded"),  # most still decoding 50 ms later
-        ("early", 10, 20, 0.05, None),  # 10 decoding now: fine for early...
-        ("predictive", 10, 20, 0.05, "tbt_slo_exceeded"),  # ...but 20 join before this one decodes
+        ("early", 10, 0, 0.05, None),  # 11 sequences: 21 ms
+        ("early", 10, 5, 0.05, "tbt_slo_exceeded"),  # + a 20 ms prefill chunk while 5 wait
+        ("predictive", 10, 5, 0.05, None),  # those 5 are done first and join: 16 sequences, 26 ms
+        ("predictive", 10, 20, 0.05, "tbt_slo_exceeded"),  # 20 join: 31 sequences
     ],
 )
 def test_rejection_filter(mode, requests, waiting, ttft_s, rejected):
-    # Decode step 10 ms + 1 ms per sequence; SLOs: TTFT 0.1 s, TBT 35 ms (<= 25 sequences).
-    settings = Settings(**PROFILE, decode_step_s=(0.01, 0.001, 0.0))
+    # Decode step 10 ms + 1 ms per sequence, a 20-token prefill chunk 20 ms; SLOs: TTFT 0.1 s, TBT 35 ms.
+    settings = Settings(**PROFILE, decode_step_s=(0.01, 0.001, 0.0), prefill_chunk_tokens=20)
     model = TTFTModel(TTFTProfile.from_settings(settings))
     model.mean_output_tokens = 1000  # ~25 s decodes: few leave within a TTFT
     prediction = replace(model.predict(candidate("a"), 10, TieredHits.empty()), predicted_ttft_s=ttft_s)

@@ -165,6 +165,10 @@ class Settings(BaseModel):
         description="Decode step time: base seconds, per running sequence, per context token "
         "('base,per_sequence,per_token').",
     )
+    prefill_chunk_tokens: int = Field(
+        2048, ge=1, description="Engine step token budget (vLLM --max-num-batched-tokens): a decode step "
+        "that shares the batch with a prefill chunk of this size takes that much longer.",
+    )
     ttft_calibration: bool = Field(
         True, description="Scale the TTFT terms per instance from measured TTFTs (bounded, outlier-robust)."
     )

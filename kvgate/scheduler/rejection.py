@@ -2,15 +2,17 @@
 
 Modes (`--early-rejection`, REFERENCE.md section 5):
 - none: admit everything.
-- early: reject when the chosen instance's predicted TTFT exceeds `--ttft-slo-s`, or when the
-  decode batch *now* plus this request would step slower than `--tbt-slo-s`.
-- predictive: the same TTFT test; the decode batch is judged at the moment this request would
-  start decoding (now + its predicted TTFT): requests still in prefill there join it, and of the
-  requests decoding now those whose decode ends before then leave. Decode ages are taken as
-  uniform over one mean decode time (mean output tokens x step time), as in the Mooncake paper:
-  the fraction gone after t is t / decode time. Judging the future batch instead of the present
-  one damps the oscillation plain early rejection causes (reject while a wave decodes, then admit
-  a wave that all reaches decode together).
+- early: reject when the chosen instance's predicted TTFT exceeds `--ttft-slo-s`, or when a
+  decode step *now* - the decode batch plus this request, and a prefill chunk
+  (`--prefill-chunk-tokens`) when prefills are queued there - would be slower than `--tbt-slo-s`.
+- predictive: the same TTFT test; the decode step is judged at the moment this request would
+  start decoding (now + its predicted TTFT): requests still in prefill there join the batch, and
+  of the requests decoding now those whose decode ends before then leave. Decode ages are taken
+  as uniform over one mean decode time (mean output tokens x step time), as in the Mooncake
+  paper: the fraction gone after t is t / decode time. The prefill queued now is ahead of this
+  request (first come, first served), so it is done by then and adds no chunk. Judging the
+  future batch instead of the present one damps the oscillation plain early rejection causes
+  (reject while a wave prefills, then admit a wave that all reaches decode together).
 
 The decode load is the one of the instance that will decode: the selected instance in a fleet of
 whole-request instances; a prefill/decode split passes its decode choice's load (`decode_load`).
@@ -82,9 +84,10 @@ class RejectionFilter:
             decode_time = self._decode_time_s(load, model)
             leaving = min(1.0, ttft_s / decode_time) if decode_time > 0 else 1.0
             batch = decoding * (1.0 - leaving) + prefilling + 1
-        else:
-            batch = decoding + 1
-        return DecodeOutlook(batch, profile.decode_step_s(batch, context))
+            return DecodeOutlook(batch, profile.decode_step_s(batch, context))
+        batch = decoding + 1
+        prefills_queued = load.all_prefills_tokens_num > 0 or prefilling > 0
+        return DecodeOutlook(batch, profile.decode_step_s(batch, context, prefills_queued))
 
     @staticmethod
     def _decode_time_s(load: InstanceLoad, model: TTFTModel) -> float:

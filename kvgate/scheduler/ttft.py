@@ -45,6 +45,7 @@ class TTFTProfile:
     decode_base_s: float
     decode_per_sequence_s: float
     decode_per_context_token_s: float
+    prefill_chunk_tokens: int = 2048
     balancing_threshold: float = 1.0
 
     @classmethod
@@ -58,15 +59,20 @@ class TTFTProfile:
             base,
             per_sequence,
             per_token,
+            settings.prefill_chunk_tokens,
             settings.kvcache_balancing_threshold,
         )
 
-    def decode_step_s(self, batch: float, mean_context_tokens: float) -> float:
-        return (
+    def decode_step_s(self, batch: float, mean_context_tokens: float, with_prefill_chunk: bool = False) -> float:
+        """One decode step; with a prefill chunk in the same batch (an instance that also prefills)."""
+        step = (
             self.decode_base_s
             + self.decode_per_sequence_s * batch
             + self.decode_per_context_token_s * batch * mean_context_tokens
         )
+        if with_prefill_chunk:
+            step += self.prefill.chunk_s(int(mean_context_tokens / 2), self.prefill_chunk_tokens)
+        return step
 
 
 @dataclass(frozen=True, slots=True)
