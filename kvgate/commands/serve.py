@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.settings import Settings
 
@@ -48,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
                                             "until an instance is added through the admin routes")
     from kvgate.gateway.server import run_gateway
 
+    if settings.access_log:
+        from kvgate.gateway.access_log import configure_logger
+
+        configure_logger()
     return run_gateway(settings, tokenizer)
 
 
@@ -65,6 +70,6 @@ def _summary(settings: Settings) -> str:
     ]
     for instance in settings.instances:
         endpoints = ",".join(instance.kvs_endpoints) or "-"
-        lines.append(f"    {instance.id}: {instance.url} model={instance.model} role={instance.role.value}"
+        lines.append(f"    {instance.id}: {redact_url(instance.url)} model={instance.model} role={instance.role.value}"
                      f" kvs_endpoints={endpoints}")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
+from kvgate.gateway.request_notes import OUTCOME, STREAMING_RESPONSE
 from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -61,6 +62,7 @@ async def relay_stream(
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
+            request[OUTCOME] = "stream_error"
             await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
             return response
         if not chunk:
@@ -72,6 +74,7 @@ async def relay_stream(
                          REQUEST_ID_HEADER: request_id}
             )
             await response.prepare(request)
+            request[STREAMING_RESPONSE] = response
         pending += chunk
         cut = _events_end(pending)
         if cut:
@@ -101,8 +104,10 @@ async def _write(response: web.StreamResponse, data: bytes) -> bool:
     return True
 
 
-async def end_with_error(response: web.StreamResponse, message: str) -> None:
-    event = b"data: " + orjson.dumps(error_payload(502, message, code="upstream_stream_error")) + b"\n\n"
+async def end_with_error(
+    response: web.StreamResponse, message: str, status: int = 502, code: str = "upstream_stream_error"
+) -> None:
+    event = b"data: " + orjson.dumps(error_payload(status, message, code=code)) + b"\n\n"
     if await _write(response, event + SSE_DONE):
         await response.write_eof()
 

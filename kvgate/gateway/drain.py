@@ -1,0 +1,115 @@
+"""Graceful shutdown: on SIGTERM stop accepting, let requests in flight finish for a grace period,
+then end the rest cleanly.
+
+`drain(runner, grace_s)` in order:
+1. closes the listening sockets and the idle keep-alive connections (a connection busy with a
+   request closes once its answer is sent), and turns /health to 503 so balancers look elsewhere;
+   a request still arriving on a kept connection gets 503 `shutting_down`;
+2. waits up to `grace_s` for every request in flight to finish;
+3. cancels those left. Their handlers unwind as for a client hang-up (account entries released,
+   engine connections closed, so engines abort the work), then a started stream gets an
+   OpenAI-style error event and `data: [DONE]`, and a request not answered yet a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kvgate.gateway.errors import APIError, Handler, error_response
+from kvgate.gateway.relay import end_with_error
+from kvgate.gateway.request_notes import OUTCOME, STREAMING_RESPONSE
+
+log = logging.getLogger(__name__)
+
+# After the grace period, how long cut handlers get to unwind (they only close sockets).
+_CUT_UNWIND_S = 5.0
+_SHUTDOWN_MESSAGE = "the gateway is shutting down; retry the request"
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    finished: int  # requests in flight at SIGTERM that ended on their own within the grace period
+    cut: int  # requests ended by the drain
+
+
+class ShutdownDrain:
+    def __init__(self) -> None:
+        self.draining = False
+        # Handler tasks (aiohttp runs a connection's requests in one task) -> their request.
+        self._active: dict[asyncio.Task, web.Request] = {}
+        self._cut: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    def middleware(self):
+        @web.middleware
+        async def track(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if self.draining:
+                return _shutting_down()
+            task = asyncio.current_task()
+            assert task is not None
+            self._active[task] = request
+            self._idle.clear()
+            try:
+                return await handler(request)
+            except asyncio.CancelledError:
+                if task not in self._cut:
+                    raise  # a client hang-up
+                task.uncancel()
+                return await _end_cut_request(request)
+            finally:
+                del self._active[task]
+                self._cut.discard(task)
+                if not self._active:
+                    self._idle.set()
+
+        return track
+
+    async def drain(self, runner: web.AppRunner, grace_s: float) -> DrainReport:
+        for site in list(runner.sites):
+            await site.stop()
+        if runner.server is not None:
+            runner.server.pre_shutdown()  # close idle keep-alive connections now
+        self.draining = True
+        at_start = self.inflight
+        log.info("draining: %d request(s) in flight, up to %.1f s to finish", at_start, grace_s)
+        await self._wait_idle(grace_s)
+        left = list(self._active)
+        for task in left:
+            self._cut.add(task)
+            task.cancel()
+        if left:
+            log.warning("drain: ending %d request(s) still in flight after %.1f s", len(left), grace_s)
+            await self._wait_idle(_CUT_UNWIND_S)
+        return DrainReport(finished=at_start - len(left), cut=len(left))
+
+    async def _wait_idle(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+
+async def _end_cut_request(request: web.Request) -> web.StreamResponse:
+    request[OUTCOME] = "shutdown"
+    stream = request.get(STREAMING_RESPONSE)
+    if stream is None:
+        return _shutting_down()
+    await end_with_error(stream, _SHUTDOWN_MESSAGE, status=503, code="shutting_down")
+    return stream
+
+
+def _shutting_down() -> web.Response:
+    response = error_response(APIError(503, _SHUTDOWN_MESSAGE, code="shutting_down"))
+    response.force_close()
+    return response
+
+
+DRAIN = web.AppKey("drain", ShutdownDrain)
