@@ -117,8 +117,14 @@ def test_the_config_file_follows_the_same_rules(tmp_path):
             load_settings(config_path=_config(tmp_path, bad_url), environ={})
     with pytest.raises(ConfigError, match="instance id"):
         load_settings(config_path=_config(tmp_path, "http://127.0.0.1:8000", instance_id="{x}"), environ={})
-    with pytest.raises(ConfigError, match="outside the networks"):
-        load_settings(config_path=_config(tmp_path, "http://169.254.169.254", networks="10.0.0.0/8"), environ={})
+    with pytest.raises(ConfigError, match="outside the networks") as outside:
+        load_settings({"admin_token": "admin-secret"},
+                      config_path=_config(tmp_path, "http://op:hunter2@169.254.169.254", networks="10.0.0.0/8"),
+                      environ={})
+    assert "hunter2" not in str(outside.value) and "admin-secret" not in str(outside.value)
+    with pytest.raises(ConfigError, match="port") as bad_port:
+        load_settings(config_path=_config(tmp_path, "http://op:hunter2@127.0.0.1:99999"), environ={})
+    assert "hunter2" not in str(bad_port.value)
     with pytest.raises(ConfigError, match="is a name"):
         load_settings(config_path=_config(tmp_path, "http://engine-1:8000", networks="10.0.0.0/8"), environ={})
     with pytest.raises(ConfigError, match="--instance-networks"):

@@ -66,6 +66,14 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
+_CREDENTIALS_IN_TEXT = re.compile(r"(?<=//)[^/@\s'\"]+@")
+
+
+def redact_urls_in(text: str) -> str:
+    """`text` with the user:password of every URL in it replaced by `***` (for error messages)."""
+    return _CREDENTIALS_IN_TEXT.sub("***@", text)
+
+
 def parse_networks(values: Iterable[str]) -> tuple[IPNetwork, ...]:
     networks = []
     for value in values:
@@ -85,7 +93,7 @@ def check_url_in_networks(url: str, networks: tuple[IPNetwork, ...]) -> None:
         address = ipaddress.ip_address(host)
     except ValueError:
         raise ValueError(f"host {host!r} is a name: with --instance-networks set, instance URLs must "
-                         "give an IP address") from None
+                         "give an IP address (names are not resolved)") from None
     if not any(address in network for network in networks):
         allowed = ", ".join(str(n) for n in networks)
-        raise ValueError(f"{redact_url(url)} is outside the networks allowed for instances ({allowed})")
+        raise ValueError(f"{redact_url(url)} is outside the networks allowed for instances (--instance-networks {allowed})")
