@@ -13,8 +13,11 @@ import time
 import aiohttp
 import orjson
 
+from kvgate.gateway.server import start_gateway
+from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client.launch import free_port
-from tests.scripted_upstream import Script, ScriptedUpstream
+from tests.gateway_helpers import gateway_settings, tokenizer, wait_until
+from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 
 GRACE_S = 3.0
 
@@ -103,3 +106,38 @@ async def test_sigterm_drains_then_exits_zero(tmp_path):
             process.wait()
         await short.close()
         await long.close()
+
+
+async def test_drain_ends_a_request_still_waiting_for_its_engine_with_503():
+    # An engine that accepts and never answers: the request is cut by the drain, not by a timeout.
+    held: list[asyncio.StreamWriter] = []
+    closed_by_gateway: list[bytes] = []  # what each connection sent before the gateway closed it
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        closed_by_gateway.append(await reader.read())
+
+    hung = await asyncio.start_server(hold, "127.0.0.1", 0)
+    hung_url = f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}"
+    handle = await start_gateway(gateway_settings({"h": hung_url}, MODEL), tokenizer=tokenizer())
+    account = handle.app[GATEWAY].account
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def whole() -> tuple[int, dict]:
+                async with session.post(handle.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+                    return r.status, await r.json()
+
+            request = asyncio.create_task(whole())
+            await wait_until(lambda: account.total_inflight() == 1)
+            report = await handle.drain(0.2)
+            status, payload = await request
+        assert status == 503 and payload["error"]["code"] == "shutting_down"
+        assert (report.finished, report.cut) == (0, 1)
+        assert account.total_inflight() == 0
+        # The engine was told to stop: the gateway closed the connection carrying the request.
+        await wait_until(lambda: any(b"POST /v1/completions" in sent for sent in closed_by_gateway))
+    finally:
+        await handle.close()
+        for writer in held:
+            writer.close()
+        hung.close()

@@ -179,13 +179,11 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """Readiness: 503 while no instance can take a request or the gateway is draining, so load
-    balancers send traffic elsewhere; the body says why."""
+    """Readiness: 503 while no instance can take a request, so load balancers send traffic
+    elsewhere; the body says why. (While draining, the listening socket is already closed.)"""
     states = request.app[GATEWAY].registry.states()
     routable = sum(1 for s in states if s.routable)
     body = {"status": "ok", "instances": len(states), "routable_instances": routable}
-    if request.app[DRAIN].draining:
-        return json_response({**body, "status": "draining", "reason": "the gateway is shutting down"}, status=503)
     if not routable:
         reason = "no instance configured" if not states else "no instance is routable (all ejected or draining)"
         return json_response({**body, "status": "unavailable", "reason": reason}, status=503)

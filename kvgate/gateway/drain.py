@@ -2,9 +2,9 @@
 then end the rest cleanly.
 
 `drain(runner, grace_s)` in order:
-1. closes the listening sockets and the idle keep-alive connections (a connection busy with a
-   request closes once its answer is sent), and turns /health to 503 so balancers look elsewhere;
-   a request still arriving on a kept connection gets 503 `shutting_down`;
+1. closes the listening sockets (health checks of load balancers now fail) and the idle keep-alive
+   connections (a connection busy with a request closes once its answer is sent); a /v1/*
+   request already read but not yet started gets 503 `shutting_down`;
 2. waits up to `grace_s` for every request in flight to finish;
 3. cancels those left. Their handlers unwind as for a client hang-up (account entries released,
    engine connections closed, so engines abort the work), then a started stream gets an
@@ -53,7 +53,8 @@ class ShutdownDrain:
     def middleware(self):
         @web.middleware
         async def track(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if self.draining:
+            # Work is refused; probes and /metrics still answer.
+            if self.draining and request.path.startswith("/v1/"):
                 return _shutting_down()
             task = asyncio.current_task()
             assert task is not None
