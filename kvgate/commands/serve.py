@@ -14,7 +14,7 @@ import sys
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
-from kvgate.config.settings import Settings
+from kvgate.config.settings import DebugRoutes, Settings
 
 
 def add_parser(subparsers) -> None:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if not settings.instances:
         logging.getLogger(__name__).warning("no instances configured: every model is unknown (404) "
                                             "until an instance is added through the admin routes")
-    if settings.debug_routes.value == "admin" and not settings.admin_token:
+    if settings.debug_routes is DebugRoutes.ADMIN and not settings.admin_token:
         logging.getLogger(__name__).warning("--debug-routes admin without --admin-token: /metrics and "
                                             "/debug/schedule answer 404")
     from kvgate.gateway.server import run_gateway
