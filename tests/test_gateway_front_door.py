@@ -196,3 +196,32 @@ async def test_access_log_is_off_by_default(upstream, caplog):
         assert not [r for r in caplog.records if r.name == "kvgate.access"]
     finally:
         await handle.close()
+
+
+async def test_access_log_names_broken_streams_and_hang_ups(caplog):
+    broken = await ScriptedUpstream("broken", Script(chunks=3, die_after_chunks=1)).start()
+    slow = await ScriptedUpstream("slow", Script(chunks=50, delay_s=0.05)).start()
+    settings = gateway_settings({"broken": broken.url, "slow": slow.url}, MODEL, access_log=True,
+                                dispatch_policy="round_robin", forward_retries=0)
+    handle = await start_gateway(settings, tokenizer=tokenizer())
+    body = {"model": MODEL, "prompt": "hello", "stream": True}
+    try:
+        with caplog.at_level(logging.INFO, logger="kvgate.access"):
+            async with aiohttp.ClientSession() as session:
+                for request_id in ("rid-1", "rid-2"):  # round robin: one to each instance
+                    response = await session.post(handle.url + "/v1/completions", json=body,
+                                                  headers={"X-Request-Id": request_id})
+                    first_event = await response.content.readuntil(b"\n\n")
+                    if b"slow-0" in first_event:
+                        response.close()  # hang up on the slow one
+                    else:
+                        await response.read()
+            await wait_until(lambda: len(caplog.records) >= 2)
+        outcomes = {entry["instance"]: (entry["status"], entry["outcome"])
+                    for entry in (orjson.loads(r.getMessage()) for r in caplog.records)}
+        assert outcomes == {"broken": (200, "stream_error"), "slow": (499, "client_closed")}
+        await assert_nothing_in_flight(handle)
+    finally:
+        await handle.close()
+        await broken.close()
+        await slow.close()

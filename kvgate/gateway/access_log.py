@@ -26,6 +26,7 @@ from aiohttp import web
 from kvgate.gateway.auth import CLIENT_KEY
 from kvgate.gateway.errors import Handler
 from kvgate.gateway.observe import CLIENT_CLOSED, REQUEST_ID
+from kvgate.gateway.relay import STREAM_BROKEN
 from kvgate.gateway.request_notes import ANSWERED_BY, MODEL, OUTCOME, PLAN
 
 LOGGER_NAME = "kvgate.access"
@@ -72,11 +73,15 @@ async def access_log_middleware(request: web.Request, handler: Handler) -> web.S
     except asyncio.CancelledError:
         _emit(request, timing, int(CLIENT_CLOSED), "client_closed", None)
         raise
-    _emit(request, timing, response.status, request.get(OUTCOME) or _outcome(response.status), response)
+    _emit(request, timing, response.status, _outcome(request, response.status), response)
     return response
 
 
-def _outcome(status: int) -> str:
+def _outcome(request: web.Request, status: int) -> str:
+    if OUTCOME in request:
+        return request[OUTCOME]
+    if STREAM_BROKEN in request:
+        return "stream_error"
     if status >= 500:
         return "error"
     return "client_error" if status >= 400 else "ok"

@@ -18,13 +18,16 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
-from kvgate.gateway.request_notes import OUTCOME, STREAMING_RESPONSE
+from kvgate.gateway.request_notes import STREAMING_RESPONSE
 from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
 UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
+# Set on a request whose stream the engine broke after the first byte: it went out as 200, but
+# the metrics and the outlier detector must count it as the failure it was.
+STREAM_BROKEN = web.RequestKey("stream_broken", str)
 
 
 class RetryableFailure(Exception):
@@ -62,7 +65,7 @@ async def relay_stream(
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
-            request[OUTCOME] = "stream_error"
+            request[STREAM_BROKEN] = describe(exc)
             await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
             return response
         if not chunk:

@@ -11,7 +11,8 @@ from kvgate.gateway.routing import RoutePlan
 MODEL = web.RequestKey("model", str)  # set by the route handler
 PLAN = web.RequestKey("plan", RoutePlan)  # set by the route handler
 ANSWERED_BY = web.RequestKey("answered_by", str)  # the forwarder: the instance tried last
-# How the request ended when its status does not say it: "stream_error" (relay), "shutdown" (drain).
+# How the request ended when its status does not say it: "shutdown" (drain). A stream the engine
+# broke is marked by relay.STREAM_BROKEN.
 OUTCOME = web.RequestKey("outcome", str)
 # The client's stream once its headers are sent (relay), for the drain to end it with an error event.
 STREAMING_RESPONSE = web.RequestKey("streaming_response", web.StreamResponse)
