@@ -13,6 +13,7 @@ import time
 import aiohttp
 import orjson
 
+from kvgate.gateway.drain import DRAIN
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client.launch import free_port
@@ -108,7 +109,7 @@ async def test_sigterm_drains_then_exits_zero(tmp_path):
         await long.close()
 
 
-async def test_drain_ends_a_request_still_waiting_for_its_engine_with_503():
+async def test_drain_ends_a_request_still_waiting_for_its_engine_with_503_at_a_second_signal():
     # An engine that accepts and never answers: the request is cut by the drain, not by a timeout.
     held: list[asyncio.StreamWriter] = []
     closed_by_gateway: list[bytes] = []  # what each connection sent before the gateway closed it
@@ -129,7 +130,11 @@ async def test_drain_ends_a_request_still_waiting_for_its_engine_with_503():
 
             request = asyncio.create_task(whole())
             await wait_until(lambda: account.total_inflight() == 1)
-            report = await handle.drain(0.2)
+            # A grace period far longer than the test: the operator's second signal ends it.
+            draining = asyncio.create_task(handle.drain(600))
+            await wait_until(lambda: handle.app[DRAIN].draining)
+            handle.app[DRAIN].hurry()
+            report = await asyncio.wait_for(draining, 30)
             status, payload = await request
         assert status == 503 and payload["error"]["code"] == "shutting_down"
         assert (report.finished, report.cut) == (0, 1)

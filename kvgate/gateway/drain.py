@@ -5,7 +5,8 @@ then end the rest cleanly.
 1. closes the listening sockets (health checks of load balancers now fail) and the idle keep-alive
    connections (a connection busy with a request closes once its answer is sent); a /v1/*
    request already read but not yet started gets 503 `shutting_down`;
-2. waits up to `grace_s` for every request in flight to finish;
+2. waits up to `grace_s` for every request in flight to finish (`hurry()`, a second signal, ends
+   the wait at once);
 3. cancels those left. Their handlers unwind as for a client hang-up (account entries released,
    engine connections closed, so engines abort the work), then a started stream gets an
    OpenAI-style error event and `data: [DONE]`, and a request not answered yet a 503.
@@ -14,7 +15,6 @@ then end the rest cleanly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -45,10 +45,15 @@ class ShutdownDrain:
         self._cut: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._hurry = asyncio.Event()  # a second SIGTERM/SIGINT: end the grace period now
 
     @property
     def inflight(self) -> int:
         return len(self._active)
+
+    def hurry(self) -> None:
+        """End the grace period at once (an operator's second signal)."""
+        self._hurry.set()
 
     def middleware(self):
         @web.middleware
@@ -83,7 +88,11 @@ class ShutdownDrain:
         self.draining = True
         at_start = self.inflight
         log.info("draining: %d request(s) in flight, up to %.1f s to finish", at_start, grace_s)
-        await self._wait_idle(grace_s)
+        hurried = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await self._wait_idle(grace_s, hurried)
+        finally:
+            hurried.cancel()
         left = list(self._active)
         for task in left:
             self._cut.add(task)
@@ -93,9 +102,11 @@ class ShutdownDrain:
             await self._wait_idle(_CUT_UNWIND_S)
         return DrainReport(finished=at_start - len(left), cut=len(left))
 
-    async def _wait_idle(self, timeout_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+    async def _wait_idle(self, timeout_s: float, or_until: asyncio.Future | None = None) -> None:
+        idle = asyncio.ensure_future(self._idle.wait())
+        await asyncio.wait([idle] + ([or_until] if or_until else []), timeout=timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        idle.cancel()
 
 
 async def _end_cut_request(request: web.Request) -> web.StreamResponse:

@@ -98,6 +98,9 @@ async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
     print(f"kvgate gateway listening on {handle.url}", flush=True)
     try:
         await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, handle.app[DRAIN].hurry)
         report = await handle.drain(settings.shutdown_grace_s)
         log.info("drained: %d request(s) finished, %d ended by the drain; in-flight account entries left: %d",
                  report.finished, report.cut, handle.app[GATEWAY].account.total_inflight())
