@@ -7,7 +7,11 @@ from tabulate import tabulate
 from kvgate.planner.model import Fleet, OperatingPoint, Plan
 from kvgate.planner.workload import LengthDistribution
 
-_ROWS = (("PrfaaS (best)", "best"), ("homogeneous PD", "homogeneous_pd"), ("naive heterogeneous", "naive_heterogeneous"))
+_ROWS = (
+    ("PrfaaS (best)", "best"),
+    ("homogeneous PD", "homogeneous_pd"),
+    ("naive heterogeneous", "naive_heterogeneous"),
+)
 
 
 def plan_json(plan: Plan, fleet: Fleet, dist: LengthDistribution, name: str) -> dict:
@@ -30,8 +34,18 @@ def plan_table(plan: Plan, fleet: Fleet, dist: LengthDistribution, name: str) ->
     base = plan.homogeneous_pd.lambda_max_rps
     rows = [_row(label, getattr(plan, attr), fleet, base) for label, attr in _ROWS]
     headers = [
-        "configuration", "threshold", "PrfaaS inst", "local P/D", "offloaded", "Θ_prfaas", "Θ_pd-p",
-        "Θ_pd-d", "Λ_max req/s", "vs homogeneous", "egress Gbps", "bound by",
+        "configuration",
+        "threshold",
+        "PrfaaS inst",
+        "local P/D",
+        "offloaded",
+        "Θ_prfaas",
+        "Θ_pd-p",
+        "Θ_pd-d",
+        "Λ_max req/s",
+        "vs homogeneous",
+        "egress Gbps",
+        "bound by",
     ]
     title = f"{name}: " if name else ""
     return "\n".join(
