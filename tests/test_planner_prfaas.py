@@ -14,8 +14,8 @@ import yaml
 
 from kvgate.planner.config import PlanConfigError, load_plan
 from kvgate.planner.model import MIB, evaluate, plan
-from kvgate.planner.profile import LengthProfile
 from kvgate.planner.workload import truncated_lognormal
+from kvgate.scheduler.length_profile import LengthProfile
 from tests.trace_helpers import row, write_trace
 
 REPO = Path(__file__).resolve().parent.parent

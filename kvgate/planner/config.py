@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvgate.planner.model import Fleet
-from kvgate.planner.profile import LengthProfile
 from kvgate.planner.workload import LengthDistribution, trace_lengths, truncated_lognormal
+from kvgate.scheduler.length_profile import LengthProfile
 
 PositiveInt = Annotated[int, Field(ge=1)]
 # {prompt length in tokens: value}; at least two lengths so the profile can be interpolated.

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvgate.planner.profile import LengthProfile
 from kvgate.planner.workload import LengthDistribution
+from kvgate.scheduler.length_profile import LengthProfile
 
 MIB = 1 << 20
 # Λ_max values closer than this (relative) are a tie, decided by headroom and then egress.

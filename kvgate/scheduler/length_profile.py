@@ -31,6 +31,10 @@ class LengthProfile:
             raise ValueError("profile lengths must be >= 1 and values >= 0")
         return cls(lengths, values)
 
+    def value(self, length: float) -> float:
+        """The quantity at one length."""
+        return float(self.at(np.array([length]))[0])
+
     def at(self, lengths: np.ndarray) -> np.ndarray:
         """The quantity at each length: piecewise linear, end segments extended, never below zero."""
         x = np.asarray(lengths, dtype=float)
