@@ -220,6 +220,19 @@ def test_cli_table_shows_the_three_configurations(tmp_path):
     assert any(line.startswith("naive heterogeneous") and "all offloaded" in line for line in lines)
 
 
+def test_cli_trace_replaces_the_workload(tmp_path):
+    # The case-study hardware over the two-prompt trace: lengths and the mean output (100) from it.
+    done = _cli("--config", str(CASE_STUDY), "--trace", _trace(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    body = json.loads(done.stdout)
+    assert body["workload"].startswith("trace ") and body["workload"].endswith("(2 requests)")
+    assert body["mean_input_tokens"] == 2000
+    assert body["output_tokens"] == 100
+    assert body["threshold_tokens"] in (None, 0, 1000)  # only three distinct cuts exist
+    missing = _cli("--config", str(CASE_STUDY), "--trace", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -23,6 +23,10 @@ def add_parser(subparsers) -> None:
         description="Prefill-as-a-Service planner: best threshold and local split, with baselines.",
     )
     prfaas.add_argument("--config", required=True, help="planner YAML (see docs/PLANNER.md)")
+    prfaas.add_argument(
+        "--trace",
+        help="Mooncake-format trace replacing the config's workload (its input and mean output lengths)",
+    )
     prfaas.add_argument("--json", action="store_true", help="print one JSON object")
     prfaas.set_defaults(func=run_prfaas)
 
@@ -33,7 +37,7 @@ def run_prfaas(args: argparse.Namespace) -> int:
     from kvgate.planner.report import plan_json, plan_table
 
     try:
-        config, fleet, dist = load_plan(args.config)
+        config, fleet, dist = load_plan(args.config, trace=args.trace)
         result = plan(fleet, dist)
     except (PlanConfigError, ValueError) as exc:
         print(f"kvgate plan prfaas: {exc}", file=sys.stderr)

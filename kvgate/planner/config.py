@@ -89,8 +89,12 @@ class PlanConfig(_Strict):
         return self
 
 
-def load_plan(path: str | Path) -> tuple[PlanConfig, Fleet, LengthDistribution]:
-    """Read and check a planner config; raises PlanConfigError with a message naming the key."""
+def load_plan(path: str | Path, trace: str | None = None) -> tuple[PlanConfig, Fleet, LengthDistribution]:
+    """Read and check a planner config; raises PlanConfigError with a message naming the key.
+
+    `trace` (a path as given on the command line) replaces the file's workload: input lengths and
+    output tokens both come from the trace.
+    """
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -104,15 +108,19 @@ def load_plan(path: str | Path) -> tuple[PlanConfig, Fleet, LengthDistribution]:
         lines = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()]
         raise PlanConfigError(f"{path}: invalid planner config:\n  " + "\n  ".join(lines)) from None
     length = config.workload.input_length
+    output_tokens = config.workload.output_tokens
     try:
-        if length.trace is not None:
+        if trace is not None:
+            dist, mean_output = trace_lengths(trace)
+            output_tokens = None
+        elif length.trace is not None:
             dist, mean_output = trace_lengths(path.parent / length.trace)
         else:
             ln = length.lognormal
             assert ln is not None
             dist, mean_output = truncated_lognormal(ln.mu, ln.sigma, ln.min, ln.max), 0.0
     except ValueError as exc:  # TraceError is a ValueError
-        raise PlanConfigError(f"{path}: workload.input_length: {exc}") from None
+        raise PlanConfigError(f"{trace or path}: workload.input_length: {exc}") from None
     fleet = Fleet(
         prfaas_instances=config.prfaas.instances,
         prfaas_prefill_s=LengthProfile.from_points(config.prfaas.prefill_latency_s),
@@ -122,6 +130,6 @@ def load_plan(path: str | Path) -> tuple[PlanConfig, Fleet, LengthDistribution]:
         local_prefill_s=LengthProfile.from_points(config.local.prefill_latency_s),
         decode_batch_size=config.local.decode.batch_size,
         decode_step_s=config.local.decode.step_time_s,
-        output_tokens=float(config.workload.output_tokens or mean_output),
+        output_tokens=float(output_tokens or mean_output),
     )
     return config, fleet, dist
