@@ -154,6 +154,24 @@ def test_best_configuration_offloads_the_long_prompt_and_balances_local_decode(t
     assert best.egress_gbps == pytest.approx(1.5 * 0.5 * 300 * MIB * 8 / 1e9)
 
 
+def test_equal_prompts_are_never_split_and_equal_throughput_prefers_less_egress(tmp_path):
+    rows = [row(0, [1, 2], 1000, 100), row(1, [3, 4], 1000, 100), row(2, [5, 6, 7, 8, 9, 10], 3000, 100)]
+    trace = write_trace(tmp_path / "three.jsonl", rows)
+    _, fleet, dist = load_plan(
+        _write(tmp_path, _config(tmp_path, **{"workload.input_length": {"trace": trace}}))
+    )
+    assert list(dist.lengths) == [1000, 3000]
+    assert list(dist.weights) == pytest.approx([2 / 3, 1 / 3])
+    best = plan(fleet, dist).best
+    # Offload all: 2 / (2/3 x 1 s + 1/3 x 2 s) = 1.5 req/s, shipping 166.7 MiB a request on average.
+    # Offload the 3000s: remote 2 / (1/3 x 2) = 3, local 2P: 2 / (2/3 x 2) = 1.5, decode 1D: 1.5, so
+    # 1.5 as well with 100 MiB a request: the tie goes to the smaller egress.
+    assert (best.threshold_tokens, best.n_prefill, best.n_decode) == (1000, 2, 1)
+    assert best.offload_fraction == pytest.approx(1 / 3)
+    assert best.lambda_max_rps == pytest.approx(1.5)
+    assert best.egress_gbps == pytest.approx(1.5 * 100 * MIB * 8 / 1e9)
+
+
 def test_a_narrow_link_bounds_the_offload(tmp_path):
     # A link that carries exactly 1.2 offloaded-half requests/s: 1.2 x 150 MiB per request on average.
     link_gbps = 1.2 * 150 * MIB * 8 / 1e9

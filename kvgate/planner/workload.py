@@ -20,7 +20,7 @@ LOGNORMAL_POINTS = 20_000
 
 @dataclass(frozen=True)
 class LengthDistribution:
-    lengths: np.ndarray  # sorted ascending, tokens
+    lengths: np.ndarray  # distinct, sorted ascending, tokens
     weights: np.ndarray  # probability of each length; sums to 1
     source: str  # what it was built from, for the report
 
@@ -55,10 +55,11 @@ def trace_lengths(path: str | Path) -> tuple[LengthDistribution, float]:
     from kvgate.simulator.trace import read_trace
 
     requests = read_trace(path)
-    lengths = np.array(sorted(r.input_length for r in requests), dtype=float)
-    weights = np.full(len(lengths), 1.0 / len(lengths))
+    # Distinct lengths, weighted by how often they occur: a threshold then never splits equal prompts.
+    lengths, counts = np.unique(np.array([r.input_length for r in requests], dtype=float), return_counts=True)
+    weights = counts / len(requests)
     mean_output = sum(max(r.output_length, 1) for r in requests) / len(requests)
-    return LengthDistribution(lengths, weights, f"trace {path} ({len(lengths)} requests)"), mean_output
+    return LengthDistribution(lengths, weights, f"trace {path} ({len(requests)} requests)"), mean_output
 
 
 def _normal_cdf(z: float) -> float:
