@@ -42,7 +42,9 @@ class Decode(_Strict):
 
 
 class LocalCluster(_Strict):
-    instances: Annotated[int, Field(ge=2)]
+    # Every split is searched: the bound keeps a typo (a GPU count for an instance count) from
+    # turning the search into minutes.
+    instances: Annotated[int, Field(ge=2, le=4096)]
     prefill_latency_s: LengthTable
     decode: Decode
 

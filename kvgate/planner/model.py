@@ -138,17 +138,18 @@ def plan(fleet: Fleet, dist: LengthDistribution) -> Plan:
     )
     naive = _point(fleet, sums, _grid(fleet, sums, np.array([0]), 0), 0)
     every_cut = np.arange(sums.none_offloaded + 1)
-    grids = [_grid(fleet, sums, every_cut, n_p) for n_p in range(fleet.local_instances)]
-    top = max(float(g.lam.max()) for g in grids)
+    splits = range(fleet.local_instances)
+    # Two passes, one grid in memory at a time whatever N: the highest Λ_max, then its ties.
+    top = max(float(_grid(fleet, sums, every_cut, n_p).lam.max()) for n_p in splits)
     best_key, best = None, None
-    for g in grids:
-        tied = np.flatnonzero(g.lam >= top * (1 - _TIE))
-        for i in tied:
-            key = (float(g.prefill_headroom[i]), -float(g.egress_gbps[i]))
+    for n_p in splits:
+        grid = _grid(fleet, sums, every_cut, n_p)
+        for i in np.flatnonzero(grid.lam >= top * (1 - _TIE)):
+            key = (float(grid.prefill_headroom[i]), -float(grid.egress_gbps[i]))
             if best_key is None or key > best_key:
-                best_key, best = key, (g, int(i))
+                best_key, best = key, _point(fleet, sums, grid, int(i))
     assert best is not None
-    return Plan(_point(fleet, sums, *best), homogeneous, naive)
+    return Plan(best, homogeneous, naive)
 
 
 def evaluate(
