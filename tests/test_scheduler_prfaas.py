@@ -223,3 +223,18 @@ def test_prfaas_settings_and_instance_cluster():
 def test_bad_prfaas_settings_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):
         load_settings(values, environ={})
+
+
+def test_prfaas_settings_from_a_yaml_file(tmp_path):
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(
+        "prfaas_cluster: h200\n"
+        "prfaas_egress_gbps: 100\n"
+        "prfaas_kv_size_mib: {1024: 190.8, 8192: 308.9, 32768: 701.3}\n"
+        "instances:\n"
+        "  - {id: p0, url: 'http://127.0.0.1:9001', model: m, role: prefill, cluster: h200}\n"
+        "  - {id: d0, url: 'http://127.0.0.1:9002', model: m, role: decode}\n"
+    )
+    settings = load_settings({}, config_path=str(path), environ={})
+    assert [inst.cluster for inst in settings.instances] == ["h200", "local"]
+    assert PrfaasRouter(settings).kv_size.bytes(32768) == int(701.3 * MIB)

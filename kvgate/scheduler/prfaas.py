@@ -213,7 +213,14 @@ class PrfaasRouter:
         return decision
 
     def _local(
-        self, mode, threshold: int, utilisation: float, total: int, prefix: int, where: str, why: str
+        self,
+        mode: PrfaasBandwidthMode,
+        threshold: int,
+        utilisation: float,
+        total: int,
+        prefix: int,
+        where: str,
+        why: str,
     ) -> ClusterDecision:
         shipped = prefix if where != LOCAL_CLUSTER else 0
         return ClusterDecision(
@@ -231,7 +238,14 @@ class PrfaasRouter:
         )
 
     def _remote(
-        self, mode, threshold: int, utilisation: float, total: int, prefix: int, where: str, why: str
+        self,
+        mode: PrfaasBandwidthMode,
+        threshold: int,
+        utilisation: float,
+        total: int,
+        prefix: int,
+        where: str,
+        why: str,
     ) -> ClusterDecision:
         shipped = prefix if where == LOCAL_CLUSTER else 0
         return ClusterDecision(
