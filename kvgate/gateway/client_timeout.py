@@ -3,7 +3,8 @@
 aiohttp's server has no header-read timeout of its own, so the two halves of a request are timed
 by two mechanisms:
 - Headers: the server's keep-alive timer (`keepalive_timeout`, set to the same value by
-  `server.start_gateway`). aiohttp arms it when a connection opens and again after each answer,
+  `server.start_gateway`). aiohttp (3.14.4 and later; pyproject.toml requires it) arms it when a
+  connection opens and again after each answer,
   and on expiry closes the connection if no complete request head has arrived: a client
   trickling its headers, or sending nothing, is cut. A connection idle between requests closes
   after the same time.
