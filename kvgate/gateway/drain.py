@@ -40,8 +40,8 @@ class DrainReport:
 class ShutdownDrain:
     def __init__(self) -> None:
         self.draining = False
-        # Handler tasks (aiohttp runs a connection's requests in one task) -> their request.
-        self._active: dict[asyncio.Task, web.Request] = {}
+        # Tasks running a request now (aiohttp runs a connection's requests in one task).
+        self._active: set[asyncio.Task] = set()
         self._cut: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -63,7 +63,7 @@ class ShutdownDrain:
                 return _shutting_down()
             task = asyncio.current_task()
             assert task is not None
-            self._active[task] = request
+            self._active.add(task)
             self._idle.clear()
             try:
                 return await handler(request)
@@ -73,7 +73,7 @@ class ShutdownDrain:
                 task.uncancel()
                 return await _end_cut_request(request)
             finally:
-                del self._active[task]
+                self._active.discard(task)
                 self._cut.discard(task)
                 if not self._active:
                     self._idle.set()
@@ -98,7 +98,7 @@ class ShutdownDrain:
             self._cut.add(task)
             task.cancel()
         if left:
-            log.warning("drain: ending %d request(s) still in flight after %.1f s", len(left), grace_s)
+            log.warning("drain: ending %d request(s) still in flight at the end of the grace period", len(left))
             await self._wait_idle(_CUT_UNWIND_S)
         return DrainReport(finished=at_start - len(left), cut=len(left))
 
