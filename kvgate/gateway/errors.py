@@ -32,12 +32,7 @@ class APIError(Exception):
     """A failure the client should see, with its HTTP status and OpenAI error fields."""
 
     def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -58,7 +53,7 @@ def error_response(error: APIError, headers: dict[str, str] | None = None) -> we
         status=error.status,
         body=orjson.dumps(error_payload(error.status, error.message, error.param, error.code)),
         content_type="application/json",
-        headers=headers,
+        headers=headers if headers is not None else error.headers,
     )
 
 
@@ -70,7 +65,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc, headers=exc.headers)
+        return error_response(exc)
     except web.HTTPRequestEntityTooLarge:
         limit = request.client_max_size
         return error_response(APIError(413, f"request body too large: the limit is {limit} bytes",
