@@ -6,12 +6,13 @@ the store, build the candidates and pass the time in.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
 
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
-from kvgate.scheduler.prefix import EndpointMap
+from kvgate.scheduler.prefix import EndpointMap, prefix_hit_tokens
 from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.rejection import Rejection, RejectionFilter
 from kvgate.scheduler.tiers import TieredHits, tiered_hits
@@ -56,12 +57,15 @@ class Scheduler:
     ) -> Decision:
         """Rank `candidates`. `locations` (memory replicas) None means the store did not answer: no
         hits, load only. `disk_locations` count only with --kvs-query-disk-tier."""
-        hits = TieredHits.empty()
+        local: dict[str, int] = {}
+        pool: Callable[[], TieredHits] = TieredHits.empty
         if locations is not None and self.wants_kvs(num_prompt_tokens):
+            local = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
             disk = disk_locations if self._settings.kvs_query_disk_tier else None
-            hits = tiered_hits(blocks, locations, disk, self.endpoint_map, num_prompt_tokens)
-        predictions = Predictions(self.ttft, candidates, num_prompt_tokens, hits)
-        request = RoutingRequest(num_prompt_tokens, hits.local, predictions)
+            # The pool's view is built only if a prediction is read (conductor, rejection, debug).
+            pool = partial(tiered_hits, blocks, locations, disk, self.endpoint_map, num_prompt_tokens, local)
+        predictions = Predictions(self.ttft, candidates, num_prompt_tokens, pool)
+        request = RoutingRequest(num_prompt_tokens, local, predictions)
         return self.policy.select(request, candidates)
 
     def judge(

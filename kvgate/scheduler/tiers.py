@@ -13,8 +13,9 @@ instance this gives two prefixes (both contiguous from block 0, capped at the pr
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from enum import IntEnum
+from itertools import groupby
+from operator import or_
 
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.prefix import EndpointMap, prefix_hit_tokens
@@ -28,31 +29,20 @@ class Tier(IntEnum):
     DISK = 2  # a local SSD, NVMe-oF or shared storage
 
 
-@dataclass(frozen=True, slots=True)
-class _PoolBlock:
-    tokens: int
-    tier: Tier  # cheapest tier for an instance that does not hold it itself
-    holders: frozenset[str]  # instances holding it in their own segment
-
-
 class TieredHits:
-    """Per-instance local and pool prefixes of one request (pure, built from a store answer)."""
+    """Per-instance local and pool prefixes of one request (pure, built from a store answer).
 
-    __slots__ = ("local", "pool_tokens", "_blocks", "_network_cum", "_disk_cum", "_starts", "_any_holder")
+    The pool prefix is kept as runs of consecutive blocks with the same holders and tier: a
+    prompt's blocks usually sit on a few segments, so pricing an instance walks a few runs.
+    """
 
-    def __init__(self, local: dict[str, int], blocks: list[_PoolBlock]) -> None:
+    __slots__ = ("local", "pool_tokens", "_runs", "_any_holder")
+
+    def __init__(self, local: dict[str, int], runs: list[_Run]) -> None:
         self.local = local
-        self._blocks = blocks
-        self.pool_tokens = sum(block.tokens for block in blocks)
-        self._any_holder = frozenset().union(*(block.holders for block in blocks))
-        network = disk = 0
-        self._network_cum, self._disk_cum, self._starts = [0], [0], [0]
-        for block in blocks:
-            network += block.tokens if block.tier == Tier.NETWORK else 0
-            disk += block.tokens if block.tier == Tier.DISK else 0
-            self._network_cum.append(network)
-            self._disk_cum.append(disk)
-            self._starts.append(self._starts[-1] + block.tokens)
+        self._runs = runs
+        self.pool_tokens = sum(run.tokens for run in runs)
+        self._any_holder = frozenset().union(*(run.holders for run in runs))
 
     @classmethod
     def empty(cls) -> TieredHits:
@@ -63,27 +53,29 @@ class TieredHits:
         local = self.local.get(instance_id, 0)
         if local >= self.pool_tokens:
             return 0, 0
-        first = _block_at(self._starts, local)
-        if instance_id not in self._any_holder:
-            # The common case: nothing of its own in the pool prefix, so the prefix sums answer.
-            return self._network_cum[-1] - self._network_cum[first], self._disk_cum[-1] - self._disk_cum[first]
+        holds_some = instance_id in self._any_holder
         network = disk = 0
-        for block in self._blocks[first:]:
-            if instance_id in block.holders:
-                continue
-            if block.tier == Tier.NETWORK:
-                network += block.tokens
+        start = 0
+        for run in self._runs:
+            end = start + run.tokens
+            beyond_local = end - max(start, local)
+            start = end
+            if beyond_local <= 0 or (holds_some and instance_id in run.holders):
+                continue  # its own segment's blocks are its prefix cache: free
+            if run.tier == Tier.NETWORK:
+                network += beyond_local
             else:
-                disk += block.tokens
+                disk += beyond_local
         return network, disk
 
 
-def _block_at(starts: list[int], tokens: int) -> int:
-    """Index of the block where a prefix of `tokens` ends (local prefixes end on block bounds)."""
-    for index, start in enumerate(starts):
-        if start >= tokens:
-            return index
-    return len(starts) - 1
+class _Run:
+    __slots__ = ("tokens", "tier", "holders")
+
+    def __init__(self, tokens: int, tier: Tier, holders: frozenset[str]) -> None:
+        self.tokens = tokens
+        self.tier = tier  # cheapest tier for an instance that does not hold it itself
+        self.holders = holders  # instances holding these blocks in their own segment
 
 
 def tiered_hits(
@@ -92,20 +84,31 @@ def tiered_hits(
     disk: Sequence[Collection[str]] | None,
     endpoint_map: EndpointMap,
     num_prompt_tokens: int,
+    local: dict[str, int] | None = None,
 ) -> TieredHits:
-    """`memory[i]` / `disk[i]`: endpoints holding block i in DRAM / on a disk tier (None: not asked)."""
-    local = prefix_hit_tokens(blocks, memory, endpoint_map, num_prompt_tokens)
+    """`memory[i]` / `disk[i]`: endpoints holding block i in DRAM / on a disk tier (None: not asked).
+    `local`: the local prefixes (prefix_hit_tokens) if already computed."""
+    if local is None:
+        local = prefix_hit_tokens(blocks, memory, endpoint_map, num_prompt_tokens)
+    count = min(len(blocks), len(memory))
+    # Held anywhere, block by block (map/index run in C: a 128K-token prompt has 512 blocks).
+    held = list(map(bool, memory[:count]))
+    if disk is not None:
+        held = list(map(or_, held, map(bool, disk[:count])))
+    pool_blocks = held.index(False) if False in held else count
     resolve = endpoint_map.resolved.__getitem__
-    pool: list[_PoolBlock] = []
+    runs: list[_Run] = []
     covered = 0
-    for i, (block, endpoints) in enumerate(zip(blocks, memory, strict=False)):
-        if covered >= num_prompt_tokens:
+    # Runs of blocks on the same endpoints (disk-only blocks have none, so they run together).
+    for endpoints, run in groupby(range(pool_blocks), key=memory.__getitem__):
+        indices = list(run)
+        tokens = min(sum(blocks[i].num_tokens for i in (indices[0], indices[-1]))
+                     + blocks[indices[0]].num_tokens * max(0, len(indices) - 2)
+                     if len(indices) > 1 else blocks[indices[0]].num_tokens,
+                     num_prompt_tokens - covered)
+        if tokens <= 0:
             break
-        on_disk = bool(disk[i]) if disk is not None and i < len(disk) else False
-        if not endpoints and not on_disk:
-            break
-        tokens = min(block.num_tokens, num_prompt_tokens - covered)
-        holders = frozenset().union(*map(resolve, endpoints)) if endpoints else frozenset()
-        pool.append(_PoolBlock(tokens, Tier.NETWORK if endpoints else Tier.DISK, holders))
         covered += tokens
-    return TieredHits(local, pool)
+        holders = frozenset().union(*map(resolve, endpoints)) if endpoints else frozenset()
+        runs.append(_Run(tokens, Tier.NETWORK if endpoints else Tier.DISK, holders))
+    return TieredHits(local, runs)

@@ -19,7 +19,7 @@ rejection filter, the simulator and /debug/schedule all read predictions from he
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvgate.config.settings import Settings
@@ -172,31 +172,44 @@ class Predictions(Mapping[str, TTFTPrediction]):
     """Every candidate's prediction for one request, computed when first read (the winner's alone
     is what most requests need)."""
 
-    __slots__ = ("_model", "_candidates", "_num_prompt_tokens", "_hits", "_cache")
+    __slots__ = ("_model", "_candidate_list", "_by_id", "_num_prompt_tokens", "_pool", "_hits", "_cache")
 
     def __init__(
-        self, model: TTFTModel, candidates: Sequence[Candidate], num_prompt_tokens: int, hits: TieredHits
+        self,
+        model: TTFTModel,
+        candidates: Sequence[Candidate],
+        num_prompt_tokens: int,
+        pool: Callable[[], TieredHits],
     ) -> None:
         self._model = model
-        self._candidates = {candidate.id: candidate for candidate in candidates}
+        self._candidate_list = candidates
+        self._by_id: dict[str, Candidate] | None = None  # built on first read: most reads are one
         self._num_prompt_tokens = num_prompt_tokens
-        self._hits = hits
+        self._pool = pool  # builds the tiered view on first use
+        self._hits: TieredHits | None = None
         self._cache: dict[str, TTFTPrediction] = {}
 
     @property
     def hits(self) -> TieredHits:
+        if self._hits is None:
+            self._hits = self._pool()
         return self._hits
 
     def __getitem__(self, instance_id: str) -> TTFTPrediction:
         prediction = self._cache.get(instance_id)
         if prediction is None:
             prediction = self._cache[instance_id] = self._model.predict(
-                self._candidates[instance_id], self._num_prompt_tokens, self._hits
+                self._candidates()[instance_id], self._num_prompt_tokens, self.hits
             )
         return prediction
 
+    def _candidates(self) -> dict[str, Candidate]:
+        if self._by_id is None:
+            self._by_id = {candidate.id: candidate for candidate in self._candidate_list}
+        return self._by_id
+
     def __iter__(self):
-        return iter(self._candidates)
+        return iter(self._candidates())
 
     def __len__(self) -> int:
-        return len(self._candidates)
+        return len(self._candidate_list)
