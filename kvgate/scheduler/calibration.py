@@ -62,9 +62,6 @@ class Calibration:
         factors.log_transfer = _bounded(factors.log_transfer + RATE * (transfer / predicted) * error)
         factors.observations += 1
 
-    def instances(self) -> list[str]:
-        return list(self._factors)
-
     def forget(self, instance_id: str) -> None:
         self._factors.pop(instance_id, None)
 

@@ -86,7 +86,6 @@ class TTFTPrediction:
     transfer_s: float
     transfer_tokens: int  # loaded from other segments or disk tiers
     local_hit_tokens: int
-    prefix_tokens: int  # the prefix it starts from (local, or the pool's when it loads it)
     # Before calibration, for the calibration.
     raw_compute_s: float  # queue + prefill
     raw_transfer_s: float
@@ -136,7 +135,6 @@ class TTFTModel:
             transfer_factor * transfer,
             network + disk,
             local,
-            prefix,
             queue + prefill,
             transfer,
         )
