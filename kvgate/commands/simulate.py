@@ -3,7 +3,9 @@
 Every request is routed by the gateway's own scheduler (same policies, same dispatch account, a
 real embedded KV index the simulated engines publish to), so policies and their flags can be
 compared on an hour of traffic in seconds. `--time-scale` multiplies the trace's timestamps:
-0.5 replays it twice as fast. Scheduler flags are the `kvgate serve` flags.
+0.5 replays it twice as fast. Scheduler flags are the `kvgate serve` flags, including the SLO ones
+(`--ttft-slo-s`, `--tbt-slo-s`, `--early-rejection`). `--store-model shared` (default) puts the
+instances' DRAM in one pool any of them loads from; `local` gives each its own cache.
 """
 
 from __future__ import annotations

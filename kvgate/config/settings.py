@@ -205,8 +205,8 @@ class Settings(BaseModel):
         True, description="Scale the TTFT terms per instance from measured TTFTs (bounded, outlier-robust)."
     )
     kvcache_balancing_threshold: float = Field(
-        1.0, description="conductor: load a longer prefix from another segment only when it is this "
-        "many times the local one (Mooncake Conductor's kvcache_balancing_threshold); >= 1.",
+        1.0, ge=1.0, description="Load a longer prefix from another segment only when it is this many "
+        "times the local one (Mooncake Conductor's kvcache_balancing_threshold); the TTFT model's rule.",
     )
     ttft_slo_s: float = Field(0.0, ge=0, description="TTFT SLO for early rejection; 0 = off.")
     tbt_slo_s: float = Field(0.0, ge=0, description="Time-between-tokens SLO for early rejection; 0 = off.")

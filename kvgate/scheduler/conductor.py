@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
-from kvgate.config.loader import ConfigError
 from kvgate.config.settings import InstanceRole, Settings
 from kvgate.scheduler.scheduling_metrics import SchedulingMetric
 from kvgate.scheduler.selector import Selector
@@ -55,11 +54,7 @@ class ConductorPolicy:
 def make_conductor(
     settings: Settings, rng: random.Random | None, metrics: Mapping[str, SchedulingMetric]
 ) -> ConductorPolicy:
-    threshold = settings.kvcache_balancing_threshold
-    if not threshold >= 1.0:
-        raise ConfigError(
-            f"configuration error:\n  invalid value for --kvcache-balancing-threshold: {threshold!r}: must be >= 1"
-        )
+    # --kvcache-balancing-threshold belongs to the TTFT model every policy shares (settings check it).
     order = [metrics[name] for name in settings.dispatch_metric_order]
     return ConductorPolicy(order, settings.cache_aware_scheduling_min_tokens,
                            Selector(settings.dispatch_top_k, rng))
