@@ -100,11 +100,18 @@ async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
     assert await service.encode_chat(messages) == full_chat_ids(tokenizer, messages)
 
 
-def test_content_parts_are_joined_and_non_text_parts_refused(tokenizer, service):
+def test_text_parts_are_joined_and_media_parts_left_out(tokenizer, service):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert service.encode_chat_sync(parts) == full_chat_ids(tokenizer, [{"role": "user", "content": "a\nb"}])
-    with pytest.raises(ChatTemplateError):
-        service.encode_chat_sync([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    media = [{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "text", "text": "b"},
+    ]}]
+    assert service.encode_chat_sync(media) == service.encode_chat_sync(parts)
+    with pytest.raises(ChatTemplateError, match="'type'"):
+        service.encode_chat_sync([{"role": "user", "content": [{"text": "x"}]}])
     with pytest.raises(ChatTemplateError, match="unsupported message role"):
         service.encode_chat_sync([{"role": "wizard", "content": "x"}])
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
@@ -124,7 +125,7 @@ class RoutePlanner:
             return request.prompt_ids
         try:
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages)
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body))
             return await self._tokenizer.encode_prompt(request.prompt_text or "")
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
