@@ -24,6 +24,7 @@ from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.health import HealthChecker
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
@@ -33,7 +34,7 @@ from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
-from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
+from kvgate.metrics.definitions import gateway_metrics, hit_metrics, kvs_metrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.router import Scheduler
 
@@ -69,7 +70,8 @@ def build_app(
     )
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
-                      InflightTracker(account, metrics), tokenizer_service, kvs, planner)
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner,
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size))
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -94,7 +96,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
-    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics)
+    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
+                                  gateway.hits)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvgate.gateway.admission import predicted_ttft_s
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.observe import REQUEST_ID
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.state import GATEWAY
 
@@ -32,6 +33,8 @@ async def _schedule(request: web.Request) -> web.Response:
     plan = await gateway.planner.plan(parsed, explain=True)
     rate = gateway.settings.prefill_tokens_per_s
     return json_response({
+        # The X-Request-Id of this call (the client's own, or the one the gateway gave it).
+        "request_id": request[REQUEST_ID],
         "selected": plan.decision.selected,
         "ranking": list(plan.decision.ranking),
         "cache_aware": plan.decision.cache_aware,

@@ -9,6 +9,8 @@ Rules, in the order a request meets them:
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
   connection is closed at once, which makes the engine abort the request.
 - Each attempt owns one account entry, released on every exit path (finally).
+- Each answer's usage report is compared with the prefix hit predicted at routing (hit_accounting.py);
+  a stream whose client did not ask for usage asks the engine for it (usage.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from aiohttp import web
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
@@ -33,6 +36,7 @@ from kvgate.gateway.relay import (
 )
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
+from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 
 # Client headers an engine may need (its own API key); everything else stays at the gateway.
@@ -48,8 +52,10 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        hits: HitAccounting | None = None,
     ) -> None:
         self._upstream = upstream
+        self._hits = hits
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
@@ -62,7 +68,7 @@ class Forwarder:
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
-        payload = self._payload(parsed, plan)
+        payload, usage_asked = self._payload(parsed, plan)
         headers = _upstream_headers(request, request_id)
 
         failures: list[str] = []
@@ -82,9 +88,10 @@ class Forwarder:
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
+            tap = UsageTap(strip_usage_chunk=usage_asked) if self._hits is not None else None
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived)
+                                               arrived, tap)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 last_failed = instance_id
@@ -92,15 +99,38 @@ class Forwarder:
             finally:
                 self._tracker.release(key)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            if tap is not None:
+                self._record_hit(parsed, plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
         raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
 
-    def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> bytes:
-        if self._forward_token_ids and parsed.prompt_text is not None:
-            return orjson.dumps({**parsed.body, "prompt": plan.prompt_ids})
-        return parsed.raw
+    def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> tuple[bytes, bool]:
+        """The body for the engine, and whether it asks for usage the client did not ask for."""
+        changes: dict = {}
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
+            changes["prompt"] = plan.prompt_ids
+        options = stream_options_asking_usage(parsed) if self._hits is not None else None
+        if options is not None:
+            changes["stream_options"] = options
+        if not changes:
+            return parsed.raw, False
+        return orjson.dumps({**parsed.body, **changes}), options is not None
+
+    def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
+                    request_id: str) -> None:
+        """Compare only what was predicted: the store was asked, and the usage is of that one prompt
+        (a batch or n > 1 reports its prompts' or samples' sums; a relayed 4xx reports nothing)."""
+        assert self._hits is not None
+        if plan.kvs_status != "ok" or parsed.batch is not None or parsed.body.get("n", 1) not in (1, None):
+            return
+        if tap.usage is None and not tap.answered:
+            return
+        score = plan.score(instance_id)
+        predicted = score.prefix_hit_tokens if score is not None else 0
+        found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
+        self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
 
     async def _attempt(
         self,
@@ -112,6 +142,7 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        tap: UsageTap | None,
     ) -> web.StreamResponse:
         try:
             upstream = await self._upstream.post(url, path, headers, payload)
@@ -120,7 +151,7 @@ class Forwarder:
         try:
             if upstream.status >= 500:
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
-            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived))
+            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived), tap)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
