@@ -85,7 +85,9 @@ class Forwarder:
             if last_failed is not None:
                 self._metrics.forward_retries.labels(last_failed).inc()
             key = f"{request_id}#{next(self._sequence)}"
-            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
+            # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
+            prompts = len(parsed.batch) if parsed.batch is not None else 1
+            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
             tap = UsageTap(strip_usage_chunk=usage_asked) if self._hits is not None else None

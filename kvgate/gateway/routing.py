@@ -121,6 +121,13 @@ class RoutePlanner:
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+        # A batched completion is routed on its first prompt, as one engine request. Splitting it
+        # would send prompts that usually share a long prefix (few-shot headers, evaluation
+        # templates) to different instances, losing the engine's reuse of that prefix inside the
+        # batch; and it would make the gateway assemble choice indexes, usage and interleaved
+        # stream chunks, and own partial failures, that the engine already handles as one request.
+        # The first prompt's prefix hit stands for the batch's; the account counts its miss once
+        # per prompt (forwarder.py).
         if request.prompt_ids is not None:
             return request.prompt_ids
         try:
