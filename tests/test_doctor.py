@@ -41,12 +41,12 @@ class Fleet:
         self.handles = []
         self.instances: list[InstanceConfig] = []
 
-    async def add(self, engine: Settings, engine_tokenizer=None) -> None:
+    async def add(self, engine: Settings, engine_tokenizer=None, report_cached_tokens: bool = True) -> None:
         local_ip = f"127.0.0.{len(self.handles) + 2}"
         publisher = await open_publisher(PublisherOptions(
             "mooncake", engine, local_ip=local_ip, mooncake_master=self.master.rpc_address,
             mooncake_metadata_url=self.master.metadata_url))
-        config = MockEngineConfig(time_scale=0.0, settings=engine,
+        config = MockEngineConfig(time_scale=0.0, settings=engine, report_cached_tokens=report_cached_tokens,
                                   profile=ServiceProfile().with_block_size(engine.kvs_chunk_size))
         handle = await start_mock_engine(config, tokenizer=TokenizerService(engine_tokenizer or tokenizer()),
                                          publisher=publisher)
@@ -91,7 +91,8 @@ async def test_a_correct_fleet_passes_every_check_and_the_cli_exits_0(mooncake_m
         results = await fleet.diagnose()
         assert failures(results) == {}
         assert {r.check for r in results} == {"mooncake store reachable", "serves the model", "completion tokens",
-                                              "chat tokens", "block keys in store", "engine metrics"}
+                                              "chat tokens", "cached tokens reported", "block keys in store",
+                                              "engine metrics"}
         assert sum(r.check == "block keys in store" for r in results) == 2
 
         config = tmp_path / "kvgate.yaml"
@@ -127,6 +128,18 @@ async def test_a_wrong_seed_is_named(mooncake_master):
         assert set(found) == {("block keys in store", "e0")}
         assert "another seed" in found[("block keys in store", "e0")]
         assert "hash_seed" in found[("block keys in store", "e0")]
+    finally:
+        await fleet.close()
+
+
+async def test_an_engine_not_reporting_cached_tokens_is_named(mooncake_master):
+    gateway = store_settings(mooncake_master)
+    fleet = Fleet(mooncake_master, gateway)
+    try:
+        await fleet.add(gateway, report_cached_tokens=False)
+        found = failures(await fleet.diagnose())
+        assert set(found) == {("cached tokens reported", "e0")}
+        assert "--enable-prompt-tokens-details" in found[("cached tokens reported", "e0")]
     finally:
         await fleet.close()
 

