@@ -129,3 +129,18 @@ def test_each_cause_is_named_and_rate_limited(caplog):
     assert [UNREPORTED in line for line in lines].count(True) == 1
     assert any("--enable-prompt-tokens-details" in line and "instance b" in line for line in lines)
     assert "last request r-a2" in lines[-1]
+
+
+def test_usage_is_asked_only_when_the_client_did_not():
+    from kvgate.gateway.protocol import parse_completion
+    from kvgate.gateway.usage import stream_options_asking_usage
+
+    def asked(body: dict):
+        return stream_options_asking_usage(parse_completion(orjson.dumps({"model": MODEL, "prompt": "x", **body})))
+
+    assert asked({}) is None  # not a stream: the JSON answer always has usage
+    assert asked({"stream": True}) == {"include_usage": True}
+    assert asked({"stream": True, "stream_options": {"include_usage": True}}) is None
+    # continuous_usage_stats did nothing without include_usage; sent along it would add usage to every chunk.
+    assert asked({"stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}) == \
+        {"include_usage": True}

@@ -28,7 +28,9 @@ def stream_options_asking_usage(parsed: ParsedRequest) -> dict[str, Any] | None:
     options = parsed.body.get("stream_options") or {}
     if options.get("include_usage") is True:
         return None
-    return {**options, "include_usage": True}
+    # continuous_usage_stats had no effect without include_usage: sent along, it would put usage
+    # into every chunk the client receives.
+    return {**{k: v for k, v in options.items() if k != "continuous_usage_stats"}, "include_usage": True}
 
 
 @dataclass(frozen=True, slots=True)
