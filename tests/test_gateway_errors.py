@@ -91,6 +91,8 @@ COMPLETIONS = "/v1/completions"
            b'"chat_template_kwargs": [1]}', "chat_template_kwargs", "object"),
     (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], '
            b'"continue_final_message": true}', "continue_final_message", "cannot both be true"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "add_special_tokens": 1}', "add_special_tokens",
+     "boolean"),
 ])
 async def test_invalid_bodies_are_400(gateway, path, data, param, fragment):
     status, payload = await send(gateway.url, "POST", path, data)

@@ -160,6 +160,17 @@ def check_n(body: dict[str, Any]) -> None:
         raise APIError(400, "invalid 'n': must be a positive integer", param="n")
 
 
+def add_special_tokens(body: dict[str, Any], chat: bool) -> bool:
+    """vLLM's `add_special_tokens`: BOS/EOS around the text; by default on for completions, off for
+    chats (their template writes them). It changes the token ids, so the gateway follows it too."""
+    value = body.get("add_special_tokens")
+    if value is None:
+        return not chat
+    if type(value) is not bool:
+        raise APIError(400, "invalid 'add_special_tokens': must be a boolean", param="add_special_tokens")
+    return value
+
+
 def check_stream_options(body: dict[str, Any], stream: bool) -> None:
     """An object, only with `stream: true` (as OpenAI and vLLM rule); `include_usage` a boolean."""
     options = body.get("stream_options")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.protocol import ParsedRequest
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
@@ -131,9 +131,10 @@ class RoutePlanner:
         if request.prompt_ids is not None:
             return request.prompt_ids
         try:
+            special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body))
-            return await self._tokenizer.encode_prompt(request.prompt_text or "")
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", special)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
 

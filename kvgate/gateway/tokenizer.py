@@ -220,33 +220,41 @@ class TokenizerService:
 
     # --- public API ---
 
-    async def encode_prompt(self, text: str) -> list[int]:
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_MAX_CHARS:
-            return self.encode_prompt_sync(text)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_prompt_sync, text)
-
-    async def encode_chat(self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS) -> list[int]:
-        size = sum(len(str(m.get("content") or "")) for m in messages)
-        if size <= INLINE_MAX_CHARS and inputs.tools is None and inputs.documents is None:
-            return self.encode_chat_sync(messages, inputs)
+            return self.encode_prompt_sync(text, add_special_tokens)
         return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.encode_chat_sync, messages, inputs
+            self._executor, self.encode_prompt_sync, text, add_special_tokens
         )
 
-    def encode_prompt_sync(self, text: str) -> list[int]:
-        """Ids for /v1/completions: the tokenizer's special tokens around the text."""
-        ids = self._prefix_ids.copy()
+    async def encode_chat(
+        self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS, add_special_tokens: bool = False
+    ) -> list[int]:
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        if size <= INLINE_MAX_CHARS and inputs.tools is None and inputs.documents is None:
+            return self.encode_chat_sync(messages, inputs, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.encode_chat_sync, messages, inputs, add_special_tokens
+        )
+
+    def encode_prompt_sync(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for /v1/completions: by default the tokenizer's special tokens around the text."""
+        return self._encode_text(text, add_special_tokens)
+
+    def encode_chat_sync(
+        self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Ids for /v1/chat/completions: the template over all messages and the request's template
+        inputs (tools, documents, chat_template_kwargs; by default the generation prompt), without
+        special tokens unless asked (the template writes its own)."""
+        return self._encode_text(self.render_chat(messages, inputs), add_special_tokens)
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self._prefix_ids.copy() if add_special_tokens else []
         for part in self._cached_parts(text):
             ids.extend(part)
-        ids.extend(self._suffix_ids)
-        return ids
-
-    def encode_chat_sync(self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS) -> list[int]:
-        """Ids for /v1/chat/completions: the template over all messages and the request's template
-        inputs (tools, documents, chat_template_kwargs; by default the generation prompt)."""
-        ids: list[int] = []
-        for part in self._cached_parts(self.render_chat(messages, inputs)):
-            ids.extend(part)
+        if add_special_tokens:
+            ids.extend(self._suffix_ids)
         return ids
 
     def render_chat(self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS) -> str:

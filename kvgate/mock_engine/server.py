@@ -21,7 +21,7 @@ from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
 from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError, error_middleware
-from kvgate.gateway.protocol import ParsedRequest, json_response
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_response
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
@@ -188,22 +188,24 @@ class MockEngine:
         if parsed.batch is None:
             return [await self._prompt_token_ids(parsed)]
         if isinstance(parsed.batch[0], str):
-            return [await self._encode_text(text) for text in parsed.batch]  # type: ignore[arg-type]
+            special = add_special_tokens(parsed.body, chat=False)
+            return [await self._encode_text(text, special) for text in parsed.batch]  # type: ignore[arg-type]
         return list(parsed.batch)  # type: ignore[arg-type]
 
     async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
         if parsed.prompt_ids is not None:
             return parsed.prompt_ids
+        special = add_special_tokens(parsed.body, parsed.chat)
         if parsed.messages is None:
-            return await self._encode_text(parsed.prompt_text or "")
+            return await self._encode_text(parsed.prompt_text or "", special)
         tokenizer = self._require_tokenizer()
         try:
-            return await tokenizer.encode_chat(parsed.messages, chat_template_inputs(parsed.body))
+            return await tokenizer.encode_chat(parsed.messages, chat_template_inputs(parsed.body), special)
         except ValueError as exc:  # chat template errors: roles or content the template refuses
             raise APIError(400, str(exc), param="messages") from None
 
-    async def _encode_text(self, text: str) -> Sequence[int]:
-        return await self._require_tokenizer().encode_prompt(text)
+    async def _encode_text(self, text: str, add_special: bool) -> Sequence[int]:
+        return await self._require_tokenizer().encode_prompt(text, add_special)
 
     def _require_tokenizer(self) -> TokenizerService:
         if self._tokenizer is None:
