@@ -16,6 +16,7 @@ COMMANDS = {
     "simulate": "kvgate.commands.simulate",
     "bench": "kvgate.commands.bench",
     "doctor": "kvgate.commands.doctor",
+    "plan": "kvgate.commands.plan",
 }
 
 
