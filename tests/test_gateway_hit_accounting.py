@@ -8,6 +8,7 @@ import logging
 import aiohttp
 import openai
 import orjson
+import pytest
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.hit_accounting import KEYS_DIFFER, STORE_CLAIMS, UNREPORTED, HitAccounting
@@ -50,8 +51,10 @@ async def test_matching_keys_predict_what_the_engine_reports():
         await assert_nothing_in_flight(fleet.gateway)
 
 
-async def test_an_engine_hashing_with_another_seed_shows_disagreement_and_a_warning(caplog):
-    engine = ENGINE.model_copy(update={"hash_seed": "not-the-gateways"})
+@pytest.mark.parametrize("hashing", [{"hash_seed": "not-the-gateways"}, {"kvs_chunk_size": 2 * CHUNK}],
+                         ids=["seed", "chunk-size"])
+async def test_an_engine_hashing_otherwise_shows_disagreement_and_a_warning(caplog, hashing):
+    engine = ENGINE.model_copy(update=hashing)
     async with EmbeddedFleet(GATEWAY_SETTINGS, {"e0": engine}) as fleet:
         with caplog.at_level(logging.WARNING, logger="kvgate.gateway.hit_accounting"):
             await repeat(fleet, 4)
