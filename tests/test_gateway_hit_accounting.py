@@ -121,7 +121,7 @@ def test_each_cause_is_named_and_rate_limited(caplog):
     with caplog.at_level(logging.WARNING, logger="kvgate.gateway.hit_accounting"):
         for _ in range(3):
             hits.record("a", 64, 64, ReportedUsage(70, 0), "r-a")
-            hits.record("b", 0, 0, ReportedUsage(70, None), "r-b")
+            hits.record("b", 64, 64, ReportedUsage(70, None), "r-b")
         for _ in range(3):  # within the interval: silent
             hits.record("a", 64, 64, ReportedUsage(70, 0), "r-a")
         clock.now = 61
@@ -147,3 +147,20 @@ def test_usage_is_asked_only_when_the_client_did_not():
     # continuous_usage_stats did nothing without include_usage; sent along it would add usage to every chunk.
     assert asked({"stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}) == \
         {"include_usage": True}
+
+
+def test_a_missing_cached_count_is_zero_once_the_engine_has_reported_one():
+    """vLLM leaves prompt_tokens_details out when nothing was cached, even with the flag on."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    hits = HitAccounting(hit_metrics(registry), CHUNK)
+
+    def outcomes(outcome: str) -> float:
+        return registry.get_sample_value("kvgate_hit_comparisons_total", {"instance": "a", "outcome": outcome}) or 0
+
+    hits.record("a", 0, 0, ReportedUsage(70, None), "r1")  # a fresh engine: nothing known yet
+    assert outcomes("unreported") == 1
+    hits.record("a", 64, 64, ReportedUsage(70, 64), "r2")
+    hits.record("a", 64, 64, ReportedUsage(70, None), "r3")  # now a zero
+    assert (outcomes("agree"), outcomes("gateway_higher"), outcomes("unreported")) == (1, 1, 1)

@@ -1,9 +1,9 @@
 """The checks of `kvgate doctor`, against the running engines and store a gateway config names.
 
 Each instance is checked in the order a request meets it: reachable and serving its model; the
-gateway's token ids equal the engine's own (`POST /tokenize`, completion and chat forms); a probe
-completion's usage reports cached tokens, and the block keys the gateway computes for it are in the
-store, at this instance; the engine's load metrics parse. An unreachable instance is not checked further.
+gateway's token ids equal the engine's own (`POST /tokenize`, completion and chat forms); the block
+keys the gateway computes for a fresh probe completion are in the store, at this instance, and the
+same probe sent again reports cached tokens in its usage; the engine's load metrics parse. An unreachable instance is not checked further.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ class Doctor:
     # --- a probe completion: cached tokens reported, block keys in the store ---
 
     async def _probe(self, instance: InstanceConfig, store_up: bool) -> list[CheckResult]:
-        """A fresh prompt served by the engine: its usage reports cached tokens, and (when the store
-        answers) its blocks are stored under the gateway's keys."""
+        """A fresh prompt served by the engine: (when the store answers) its blocks are stored under
+        the gateway's keys, and served again its usage reports cached tokens."""
         name = "probe completion"
         chunk = self._settings.kvs_chunk_size
         prompt = fresh_token_prompt(PROBE_BLOCKS * chunk + chunk // 2)
@@ -139,8 +139,15 @@ class Doctor:
         if status != 200:
             return [CheckResult(name, instance.id, False,
                                 f"the probe completion got HTTP {status}: {_excerpt(answer)}", "see the engine's log")]
-        reported = _cached_tokens_reported(instance, answer)
-        return [reported, await self._probe_blocks(instance, prompt)] if store_up else [reported]
+        results = [await self._probe_blocks(instance, prompt)] if store_up else []
+        # The same prompt again: the engine holds it now, and must say so in its usage (vLLM leaves
+        # the count out when it is zero, so a fresh prompt's answer proves nothing).
+        try:
+            status, answer = await self._call("POST", instance, "/v1/completions", body)
+        except (OSError, aiohttp.ClientError, TimeoutError) as exc:
+            answer = {"error": {"message": _describe(exc)}}
+        results.append(_cached_tokens_reported(instance, answer, len(prompt)))
+        return results
 
     async def _probe_blocks(self, instance: InstanceConfig, prompt: list[int]) -> CheckResult:
         name = "block keys in store"
@@ -215,15 +222,22 @@ class Doctor:
             return response.status, answer if isinstance(answer, dict) else {}
 
 
-def _cached_tokens_reported(instance: InstanceConfig, answer: dict[str, Any]) -> CheckResult:
-    """The closed-loop hit accounting reads usage.prompt_tokens_details.cached_tokens."""
+def _cached_tokens_reported(instance: InstanceConfig, answer: dict[str, Any], prompt_tokens: int) -> CheckResult:
+    """The repeated probe's usage: the closed-loop hit accounting reads its cached tokens."""
     name = "cached tokens reported"
     usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return CheckResult(name, instance.id, False, f"the repeated probe got no usage: {_excerpt(answer)}",
+                           "see the engine's log")
+    details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if type(cached) is int:
-        return CheckResult(name, instance.id, True, f"usage reports {cached} cached prompt tokens")
-    return CheckResult(name, instance.id, False, "the answer's usage has no prompt_tokens_details.cached_tokens",
+    if type(cached) is int and cached > 0:
+        return CheckResult(name, instance.id, True, f"the repeated probe: {cached} of {prompt_tokens} prompt tokens "
+                                                    "reported cached")
+    if cached == 0:
+        return CheckResult(name, instance.id, False, "the repeated probe reused nothing of a prompt just computed",
+                           "enable the engine's prefix cache (vLLM --enable-prefix-caching; SGLang's radix cache)")
+    return CheckResult(name, instance.id, False, "the repeated probe's usage has no prompt_tokens_details.cached_tokens",
                        "start vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report: "
                        "the gateway compares them with its predicted hits")
 

@@ -13,6 +13,9 @@ so every answer is compared with the prediction made when the request was routed
   reuses (the store claims blocks the engine does not use), or the engine reports no cached tokens.
 
 Engines cache whole blocks and may recompute the last one, so a difference under one chunk agrees.
+vLLM leaves `prompt_tokens_details` out when nothing was cached (even with
+--enable-prompt-tokens-details), so once an instance has reported cached tokens, an answer without
+them counts as 0; before that, it is `unreported`.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ _CAUSES = {
         "not load blocks from the store"
     ),
     UNREPORTED: (
-        "the engine answered {requests} requests without usage.prompt_tokens_details.cached_tokens, so "
-        "hits cannot be checked: start vLLM with --enable-prompt-tokens-details, SGLang with "
-        "--enable-cache-report"
+        "the engine answered {requests} requests for which the store held cached blocks without "
+        "usage.prompt_tokens_details.cached_tokens, so hits cannot be checked: start vLLM with "
+        "--enable-prompt-tokens-details, SGLang with --enable-cache-report"
     ),
 }
 
@@ -69,6 +72,7 @@ class _Window:
     predicted: int = 0  # prefix tokens the store held on this instance
     with_predicted_hit: int = 0
     unreported: int = 0
+    unreported_with_predicted_hit: int = 0
 
 
 class HitAccounting:
@@ -88,6 +92,7 @@ class HitAccounting:
         self._clock = clock
         self._windows: dict[str, _Window] = {}
         self._last_logged: dict[tuple[str, str], float] = {}
+        self._reporting: set[str] = set()  # instances that have reported cached tokens at least once
 
     def record(
         self, instance_id: str, predicted: int, found_anywhere: int, usage: ReportedUsage | None, request_id: str
@@ -96,11 +101,15 @@ class HitAccounting:
         `found_anywhere` the longest prefix held on any instance, `usage` what the engine reported."""
         window = self._windows.setdefault(instance_id, _Window())
         window.requests += 1
-        if usage is None or usage.cached_tokens is None:
+        reported = usage.cached_tokens if usage is not None else None
+        if reported is None and usage is not None and instance_id in self._reporting:
+            reported = 0  # vLLM omits a zero
+        if reported is None:
             self._metrics.comparisons.labels(instance_id, "unreported").inc()
             window.unreported += 1
+            window.unreported_with_predicted_hit += predicted > 0
         else:
-            reported = usage.cached_tokens
+            self._reporting.add(instance_id)
             self._metrics.predicted_tokens.labels(instance_id).inc(predicted)
             self._metrics.reported_tokens.labels(instance_id).inc(reported)
             self._metrics.disagreement_tokens.labels(instance_id).inc(abs(reported - predicted))
@@ -123,7 +132,8 @@ class HitAccounting:
             found = KEYS_DIFFER
         elif window.with_predicted_hit >= self._min_evidence and window.reported == 0:
             found = STORE_CLAIMS
-        elif window.unreported >= self._min_evidence and window.unreported == window.requests:
+        elif window.unreported_with_predicted_hit >= self._min_evidence and window.unreported == window.requests:
+            # Hits were predicted, yet not one answer said how much was cached.
             found = UNREPORTED
         if found is None:
             if window.requests >= WINDOW_REQUESTS:
