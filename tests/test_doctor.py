@@ -154,3 +154,16 @@ async def test_a_wrong_key_format_is_named(mooncake_master):
         assert "kvs_key_format='sglang_mha' (config: llumnix)" in found[("block keys in store", "e0")]
     finally:
         await fleet.close()
+
+
+async def test_a_wrong_model_name_in_the_keys_is_named(mooncake_master):
+    """vLLM's MooncakeStoreConnector keys embed the served model's basename."""
+    gateway = store_settings(mooncake_master, kvs_key_format="vllm_mooncake", kvs_model_name="org/another-model")
+    fleet = Fleet(mooncake_master, gateway)
+    try:
+        await fleet.add(gateway.model_copy(update={"kvs_model_name": DEFAULT_MODEL}))
+        found = failures(await fleet.diagnose())
+        assert set(found) == {("block keys in store", "e0")}
+        assert f"kvs_model_name={DEFAULT_MODEL!r} (config: org/another-model)" in found[("block keys in store", "e0")]
+    finally:
+        await fleet.close()

@@ -152,7 +152,7 @@ class Doctor:
     async def _probe_blocks(self, instance: InstanceConfig, prompt: list[int]) -> CheckResult:
         name = "block keys in store"
         expected = gateway_keys(self._settings, prompt)
-        variants = key_variants(self._settings, prompt)
+        variants = key_variants(self._settings, prompt, instance.model)
         asked = expected + [key for variant in variants for key in variant.keys]
         deadline = time.monotonic() + self._store_wait_s
         while True:

@@ -33,31 +33,40 @@ class KeyVariant:
     keys: list[str]
 
 
-def key_variants(settings: Settings, token_ids: Sequence[int]) -> list[KeyVariant]:
-    """Every other algorithm x chunk size x key format x seed ("0" too, the engines' default)."""
+def key_variants(settings: Settings, token_ids: Sequence[int], served_model: str) -> list[KeyVariant]:
+    """Every other algorithm x chunk size x key format x seed ("0" too, the engines' default) x model
+    name in the key (the configured one, or the model the instance serves)."""
+    current = _hashing(settings)
+    seen: set[tuple[str, ...]] = set()
     variants = []
-    seeds = dict.fromkeys((settings.hash_seed, "0"))
     for algo in HashAlgo:
         for chunk in _CHUNK_SIZES:
             if chunk * _VARIANT_BLOCKS > len(token_ids):
                 continue
             head = token_ids[: chunk * _VARIANT_BLOCKS]
-            for seed in seeds:
+            for seed in dict.fromkeys((settings.hash_seed, "0")):
                 blocks = hash_blocks(algo, head, chunk, seed=seed)
                 for key_format in PRESETS:
-                    changed = {"kvs_hash_algo": algo.value, "kvs_chunk_size": str(chunk),
-                               "kvs_key_format": key_format, "hash_seed": seed}
-                    current = {"kvs_hash_algo": settings.kvs_hash_algo.value,
-                               "kvs_chunk_size": str(settings.kvs_chunk_size),
-                               "kvs_key_format": settings.kvs_key_format, "hash_seed": settings.hash_seed}
-                    differences = {name: value for name, value in changed.items() if current[name] != value}
-                    if not differences:
-                        continue
-                    variant = settings.model_copy(update={"kvs_hash_algo": algo, "kvs_chunk_size": chunk,
-                                                          "kvs_key_format": key_format, "hash_seed": seed})
-                    try:
-                        keys = make_key_format(variant).keys(blocks)
-                    except ValueError:  # a format embedding the model name, with none configured
-                        continue
-                    variants.append(KeyVariant(differences, keys))
+                    for model in dict.fromkeys((settings.kvs_model_name, served_model)):
+                        variant = settings.model_copy(update={
+                            "kvs_hash_algo": algo, "kvs_chunk_size": chunk, "kvs_key_format": key_format,
+                            "hash_seed": seed, "kvs_model_name": model})
+                        try:
+                            keys = make_key_format(variant).keys(blocks)
+                        except ValueError:  # a format embedding the model name, with none configured
+                            continue
+                        # Formats without the model name give the same keys for every model: once.
+                        if tuple(keys) in seen:
+                            continue
+                        seen.add(tuple(keys))
+                        differences = {k: v for k, v in _hashing(variant).items() if current[k] != v}
+                        if differences:
+                            variants.append(KeyVariant(differences, keys))
     return variants
+
+
+def _hashing(settings: Settings) -> dict[str, str]:
+    """The settings a block key depends on, as the config writes them."""
+    return {"kvs_hash_algo": settings.kvs_hash_algo.value, "kvs_chunk_size": str(settings.kvs_chunk_size),
+            "kvs_key_format": settings.kvs_key_format, "hash_seed": settings.hash_seed,
+            "kvs_model_name": settings.kvs_model_name}
