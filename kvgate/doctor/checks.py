@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.doctor.keys import gateway_keys, key_variants
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TEXT, PROBE_TOOLS, fresh_token_prompt
 from kvgate.doctor.results import CheckResult
@@ -51,18 +51,26 @@ class Doctor:
     async def run(self) -> list[CheckResult]:
         store = await self._store_reachable()
         results = [store]
+        if not self._settings.instances:
+            results.append(CheckResult("instances configured", "gateway", False, "the config lists no instances",
+                                       "list the engines under instances: (url, model, kvs_endpoints)"))
         for instance in self._settings.instances:
             results.extend(await self._instance(instance, store.passed))
         return results
 
     async def _store_reachable(self) -> CheckResult:
+        backend = self._settings.kvs_backend
+        name = f"{backend.value} store reachable"
+        if backend == KVSBackendName.EMBEDDED:
+            return CheckResult(name, "store", False, "the embedded index lives inside the gateway's process",
+                               "check a deployment that uses mooncake or redis")
         lookup = await self._kvs.lookup(["kvgate-doctor-probe"])
-        name = f"{self._settings.kvs_backend.value} store reachable"
         if lookup.status == "ok":
             return CheckResult(name, "store", True, f"answered in {lookup.elapsed_s * 1000:.1f} ms")
+        where = ("kvs_redis_url" if backend == KVSBackendName.REDIS
+                 else "kvs_metadata_service_http_server_host and _port (the master's admin port)")
         return CheckResult(name, "store", False, f"lookup status {lookup.status}",
-                           "start the store, or fix its address in the config (kvs_metadata_service_http_server_host/"
-                           "_port for Mooncake, kvs_redis_url for Redis)")
+                           f"start the store, or fix {where} in the config")
 
     async def _instance(self, instance: InstanceConfig, store_up: bool) -> list[CheckResult]:
         reachable = await self._serves_model(instance)
