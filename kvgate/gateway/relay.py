@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
+from kvgate.gateway.request_notes import STREAMING_RESPONSE
 from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
 from kvgate.gateway.usage import UsageTap
 
@@ -27,6 +28,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
 UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
+# Set on a request whose stream the engine broke after the first byte: it went out as 200, but
+# the metrics and the outlier detector must count it as the failure it was.
+STREAM_BROKEN = web.RequestKey("stream_broken", str)
 
 
 class RetryableFailure(Exception):
@@ -68,6 +72,7 @@ async def relay_stream(
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
+            request[STREAM_BROKEN] = describe(exc)
             await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
             return response
         if not chunk:
@@ -79,6 +84,7 @@ async def relay_stream(
                          REQUEST_ID_HEADER: request_id}
             )
             await response.prepare(request)
+            request[STREAMING_RESPONSE] = response
         pending += chunk
         cut = _events_end(pending)
         if cut:
@@ -111,8 +117,10 @@ async def _write(response: web.StreamResponse, data: bytes) -> bool:
     return True
 
 
-async def end_with_error(response: web.StreamResponse, message: str) -> None:
-    event = b"data: " + orjson.dumps(error_payload(502, message, code="upstream_stream_error")) + b"\n\n"
+async def end_with_error(
+    response: web.StreamResponse, message: str, status: int = 502, code: str = "upstream_stream_error"
+) -> None:
+    event = b"data: " + orjson.dumps(error_payload(status, message, code=code)) + b"\n\n"
     if await _write(response, event + SSE_DONE):
         await response.write_eof()
 
