@@ -106,7 +106,7 @@ async def test_debug_schedule_shows_the_ttft_terms_and_served_requests_calibrate
     [("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "16"), ("max_completion_tokens", True),
      ("max_completion_tokens", -3)],
 )
-async def test_max_tokens_must_be_a_non_negative_integer(upstream, field, value):
+async def test_max_tokens_must_be_a_positive_integer(upstream, field, value):
     handle = await start_gateway(gateway_settings({"a": upstream.url}, MODEL), tokenizer=tokenizer())
     try:
         for path, body in ((COMPLETIONS, {"model": MODEL, "prompt": "hi"}),

@@ -27,6 +27,7 @@ from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.health import HealthChecker
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
@@ -42,6 +43,7 @@ from kvgate.metrics.definitions import (
     GatewayMetrics,
     client_key_metrics,
     gateway_metrics,
+    hit_metrics,
     kvs_metrics,
     ttft_metrics,
 )
@@ -80,7 +82,8 @@ def build_app(
     )
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
-                      InflightTracker(account, metrics), tokenizer_service, kvs, planner)
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner,
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size))
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -126,6 +129,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
     gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
+                                  gateway.hits,
                                   ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)))
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,

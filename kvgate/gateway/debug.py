@@ -13,6 +13,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import APIError, Handler
+from kvgate.gateway.observe import REQUEST_ID
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.state import GATEWAY
 from kvgate.scheduler.ttft import TTFTPrediction
@@ -35,6 +36,8 @@ async def _schedule(request: web.Request) -> web.Response:
     plan = await gateway.planner.plan(parsed, explain=True)
     rejection = gateway.scheduler.judge(plan.decision, plan.candidates)
     return json_response({
+        # The X-Request-Id of this call (the client's own, or the one the gateway gave it).
+        "request_id": request[REQUEST_ID],
         "selected": plan.decision.selected,
         "ranking": list(plan.decision.ranking),
         "cache_aware": plan.decision.cache_aware,
