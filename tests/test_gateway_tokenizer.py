@@ -24,7 +24,7 @@ def tokenizer():
 
 @pytest.fixture()
 def service(tokenizer):
-    svc = TokenizerService(tokenizer, cache_size=256)
+    svc = TokenizerService(tokenizer, cache_bytes=1 << 20)
     yield svc
     svc.close()
 
@@ -74,7 +74,7 @@ _TEXT = st.lists(st.sampled_from(_PIECES), max_size=1500).map("".join)
 @pytest.fixture()
 def fine_service(tokenizer):
     """Every boundary taken (no merging of short segments), so random texts exercise each cut."""
-    svc = TokenizerService(tokenizer, cache_size=256, min_segment_chars=1)
+    svc = TokenizerService(tokenizer, cache_bytes=1 << 20, min_segment_chars=1)
     yield svc
     svc.close()
 
@@ -97,7 +97,7 @@ async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
     ids, short = await asyncio.gather(service.encode_prompt(long_text), service.encode_prompt("hi"))
     assert ids == tokenizer.encode(long_text) and short == tokenizer.encode("hi")
     messages = [{"role": "user", "content": long_text}]
-    assert await service.encode_chat(messages) == full_chat_ids(tokenizer, messages)
+    assert await service.encode_chat(messages, len(long_text)) == full_chat_ids(tokenizer, messages)
 
 
 def test_content_parts_are_joined_and_non_text_parts_refused(tokenizer, service):

@@ -2,8 +2,13 @@
 
 Rules, in the order a request meets them:
 - Instances are tried in the decision's ranking, at most 1 + `forward_retries` of them, never the
-  same one twice. A connection error, a 5xx or a broken answer *before the client has received a
-  byte* moves on to the next; a 4xx is the client's problem and is relayed, never retried.
+  same one twice. Any failure to reach an instance, a 5xx, no first byte within
+  `--upstream-first-byte-timeout-s` (streams; a whole answer comes only once generated, so it
+  waits `--upstream-read-timeout-s`), the instance's ejection, or a broken answer *before the
+  client has received a byte* moves on to the next; a 4xx is the client's problem and is relayed,
+  never retried. Every attempt's outcome feeds passive outlier detection (outliers.py).
+- When every attempt failed the client gets a 502 naming its request id; what each engine said
+  (its 5xx body may hold tracebacks) goes to the gateway log only.
 - The answer is relayed by `relay.py` (streams cut at event boundaries; after the first byte a
   failure ends the stream with an OpenAI-style error event and `data: [DONE]`).
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
@@ -14,6 +19,7 @@ Rules, in the order a request meets them:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import orjson
@@ -22,10 +28,12 @@ from aiohttp import web
 from kvgate.config.settings import Settings
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
     REQUEST_ID_HEADER,
+    STREAM_BROKEN,
     UPSTREAM_ERRORS,
     RetryableFailure,
     describe,
@@ -34,6 +42,8 @@ from kvgate.gateway.relay import (
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.metrics.definitions import GatewayMetrics
+
+log = logging.getLogger(__name__)
 
 # Client headers an engine may need (its own API key); everything else stays at the gateway.
 _PASSED_HEADERS = ("Authorization",)
@@ -48,12 +58,15 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        outliers: OutlierDetector,
     ) -> None:
         self._upstream = upstream
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
+        self._outliers = outliers
         self._max_attempts = 1 + settings.forward_retries
+        self._first_byte_timeout_s = settings.upstream_first_byte_timeout_s
         self._forward_token_ids = settings.forward_token_ids
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
@@ -64,6 +77,7 @@ class Forwarder:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         payload = self._payload(parsed, plan)
         headers = _upstream_headers(request, request_id)
+        first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else None
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -84,18 +98,26 @@ class Forwarder:
                 self._observe_hit_ratio(plan, instance_id)
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived)
+                                               arrived, first_byte_timeout_s)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
+                self._outliers.failure(instance_id, str(failure))
                 last_failed = instance_id
                 continue
             finally:
                 self._tracker.release(key)
+            broken = request.get(STREAM_BROKEN)
+            if broken is None:
+                self._outliers.success(instance_id)
+            else:
+                self._outliers.failure(instance_id, f"stream broken: {broken}")
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
-        raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
+        log.warning("request %s: no instance could answer: %s", request_id, "; ".join(failures))
+        raise APIError(502, f"no instance could answer the request (request id {request_id}; the gateway log "
+                            "has the details)", code="upstream_unavailable")
 
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> bytes:
         if self._forward_token_ids and parsed.prompt_text is not None:
@@ -112,9 +134,10 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        first_byte_timeout_s: float | None,
     ) -> web.StreamResponse:
         try:
-            upstream = await self._upstream.post(url, path, headers, payload)
+            upstream = await self._upstream.post(url, path, headers, payload, first_byte_timeout_s)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         try:

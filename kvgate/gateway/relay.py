@@ -18,12 +18,15 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
-from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
+from kvgate.gateway.upstream import FirstByteTimeout, UpstreamError, UpstreamResponse
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
 UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
+# Set on a request whose stream the engine broke after the first byte: it went out as 200, but
+# the metrics and the outlier detector must count it as the failure it was.
+STREAM_BROKEN = web.RequestKey("stream_broken", str)
 
 
 class RetryableFailure(Exception):
@@ -61,6 +64,7 @@ async def relay_stream(
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
+            request[STREAM_BROKEN] = describe(exc)
             await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
             return response
         if not chunk:
@@ -108,6 +112,8 @@ async def end_with_error(response: web.StreamResponse, message: str) -> None:
 
 
 def describe(exc: BaseException) -> str:
+    if isinstance(exc, FirstByteTimeout):
+        return "no first byte within --upstream-first-byte-timeout-s"
     if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -14,9 +14,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.prompt_limit import PromptLimit, prompt_too_long
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
+from kvgate.gateway.tokenizer import ChatTemplateError, PromptTooLong, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.base import LookupStatus
 from kvgate.metrics.definitions import GatewayMetrics
@@ -70,8 +71,10 @@ class RoutePlanner:
         registry: InstanceRegistry,
         account: LoadAccount,
         metrics: GatewayMetrics,
+        prompt_limit: PromptLimit,
         executor: Executor | None = None,
     ) -> None:
+        self._prompt_limit = prompt_limit
         self._scheduler = scheduler
         self._kvs = kvs
         self._tokenizer = tokenizer
@@ -120,14 +123,20 @@ class RoutePlanner:
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+        limit = self._prompt_limit.tokens(request.model)
+        param = "messages" if request.messages is not None else "prompt"
         if request.prompt_ids is not None:
+            if len(request.prompt_ids) > limit:
+                raise prompt_too_long(request.model, len(request.prompt_ids), limit, param)
             return request.prompt_ids
         try:
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "")
+                return await self._tokenizer.encode_chat(request.messages, len(request.raw), limit)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", limit)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        except PromptTooLong as exc:
+            raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
     async def _block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
         if len(prompt_ids) <= _INLINE_HASH_TOKENS:

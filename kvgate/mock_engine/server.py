@@ -182,7 +182,7 @@ class MockEngine:
             )
         try:
             if parsed.messages is not None:
-                return await self._tokenizer.encode_chat(parsed.messages)
+                return await self._tokenizer.encode_chat(parsed.messages, len(parsed.raw))
             return await self._tokenizer.encode_prompt(parsed.prompt_text or "")
         except ValueError as exc:  # chat template errors: roles or content the template refuses
             raise APIError(400, str(exc), param="messages" if parsed.chat else "prompt") from None
