@@ -62,6 +62,7 @@ def build_app(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
         cache_bytes=settings.tokenize_cache_bytes,
     )
+    metrics.tokenize_cache_bytes.set_function(lambda: tokenizer_service.cached_bytes)
     prompt_limit = PromptLimit(settings.max_prompt_tokens, tokenizer_service.tokenizer, settings.instances)
 
     def instances_changed(instances: tuple[InstanceConfig, ...]) -> None:

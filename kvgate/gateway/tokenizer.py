@@ -50,8 +50,9 @@ INLINE_MAX_CHARS = 2048
 INLINE_MAX_MESSAGES = 32
 # Beyond one cached entry's own bytes: its key's and the OrderedDict's slot, link and array header.
 ENTRY_OVERHEAD_BYTES = 200
-# A text longer than this many characters is counted window by window before it is encoded whole,
-# when it could exceed the prompt limit; windows bound the tokenizer's working memory.
+# A text of more than this many characters per allowed token (prose averages about 4) is likely
+# over the limit: it is counted window by window, in bounded memory, before being encoded whole.
+COUNT_FIRST_CHARS_PER_TOKEN = 4
 COUNT_WINDOW_CHARS = 1 << 20
 # After encoding a text this long, return freed heap memory to the OS.
 TRIM_AFTER_CHARS = 1 << 20
@@ -310,7 +311,7 @@ class TokenizerService:
 
     def _bounded_parts(self, text: str, max_tokens: int | None, extra_tokens: int) -> list[TokenIds]:
         """The ids of `text` in cached parts, or PromptTooLong when they would exceed `max_tokens`."""
-        if max_tokens is not None and len(text) > max_tokens:  # could be too long: count it cheaply first
+        if max_tokens is not None and len(text) > max_tokens * COUNT_FIRST_CHARS_PER_TOKEN:
             at_least = self._count_at_least(text, max_tokens) + extra_tokens
             if at_least > max_tokens:
                 raise PromptTooLong(at_least, max_tokens)

@@ -38,6 +38,7 @@ class GatewayMetrics:
     inflight_prefill_tokens: Gauge  # instance
     instance_healthy: Gauge  # instance
     outlier_ejections: Counter  # instance
+    tokenize_cache_bytes: Gauge
 
 
 def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
@@ -125,6 +126,10 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
         outlier_ejections=Counter(
             "kvgate_outlier_ejections",
             "Instances ejected after --outlier-consecutive-failures failed requests in a row.", ["instance"],
+            registry=registry,
+        ),
+        tokenize_cache_bytes=Gauge(
+            "kvgate_tokenize_cache_bytes", "Bytes held by the tokenize cache (bounded by --tokenize-cache-bytes).",
             registry=registry,
         ),
     )
