@@ -190,6 +190,7 @@ _GATEWAY_COUNTERS = {
     "store lookups skipped (down)": ("kvgate_kvs_queries", {"outcome": "skipped_down"}),
     "streams broken by an engine": ("kvgate_requests", {"status": "stream_error"}),
     "client hang-ups (499)": ("kvgate_requests", {"status": "499"}),
+    "tokenize cache MB": ("kvgate_tokenize_cache_bytes", {}),
 }
 
 
@@ -341,6 +342,7 @@ def run_soak(config: SoakConfig, log_dir: Path) -> SoakReport:
         report.inflight_at_end = inflight
         report.gateway_counters = {label: gateway_metric(url, name, labels)
                                    for label, (name, labels) in _GATEWAY_COUNTERS.items()}
+        report.gateway_counters["tokenize cache MB"] /= 1024 * 1024
         report.samples.append(sample_process(pid, "end"))
     attribute_fault_cuts(report, ("engine-0 killed",))
     return report
@@ -362,7 +364,8 @@ def print_report(report: SoakReport, config: SoakConfig) -> None:
     print(tabulate([(f.name, f"{f.at_fraction:.0%}", _seconds(f.at_s), _seconds(f.done_s)) for f in report.faults],
                    headers=["fault", "after requests", "began at s", "over at s"], tablefmt="github"))
     print()
-    print(tabulate([(label, f"{value:.0f}") for label, value in report.gateway_counters.items()],
+    print(tabulate([(label, f"{value:.1f}" if label.endswith("MB") else f"{value:.0f}")
+                    for label, value in report.gateway_counters.items()],
                    headers=["gateway counted", "total"], tablefmt="github"))
     print()
     print(tabulate([(s.label, f"{s.rss_mb:.0f}", s.open_files) for s in report.samples],
