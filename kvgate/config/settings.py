@@ -137,7 +137,9 @@ class Settings(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     forward_retries: int = Field(2, ge=0, description="Retries on the next-best instance before the first byte.")
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
-    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        600.0, gt=0, description="Longest gap between an engine's chunks, and the wait for a whole (non-streamed) answer."
+    )
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_failures_to_eject: int = Field(2, ge=1)
     stats_poll_interval_s: float = Field(1.0, gt=0)
