@@ -178,14 +178,14 @@ class Settings(BaseModel):
     )
     upstream_first_byte_timeout_s: float = Field(
         30.0, gt=0,
-        description="Wait for an engine's answer head; past it the request is retried on another instance. "
-        "--upstream-read-timeout-s then bounds each gap between chunks.",
+        description="Longest wait for a stream's first bytes from an engine; past it the request is retried "
+        "on another instance. --upstream-read-timeout-s then bounds each gap between chunks.",
     )
     outlier_consecutive_failures: int = Field(
         5, ge=0, description="Eject an instance after this many failed requests in a row (0: off)."
     )
     outlier_ejection_s: float = Field(
-        30.0, gt=0, description="How long an outlier stays ejected before it is tried again.",
+        30.0, gt=0, description="An outlier stays ejected at least this long; then a passing health check readmits it.",
     )
     kvs_max_query_blocks: int = Field(
         1024, ge=1, description="Only a prompt's first N blocks are asked of the KV store."
