@@ -169,7 +169,7 @@ def test_the_cache_accounts_what_its_entries_really_cost_and_stays_under_its_byt
         tracemalloc.stop()
     # What the cache says it holds is what the process really holds for it (within 15%).
     assert abs(svc.cached_bytes - measured) < 0.15 * measured, (svc.cached_bytes, measured)
-    later = texts(8, 120)
+    later = texts(8, 64)
     for text in later:
         svc.encode_prompt_sync(text)
     assert 0 < svc.cached_bytes <= capacity
