@@ -9,10 +9,14 @@ import logging
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import DispatchPolicy, InstanceConfig
+from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.state import GATEWAY
+from kvgate.metrics.definitions import gateway_metrics
 from tests.gateway_helpers import (
     assert_nothing_in_flight,
     counter_value,
@@ -106,16 +110,22 @@ async def test_consecutive_request_failures_eject_the_instance_until_health_chec
     await assert_nothing_in_flight(gateway)
 
 
-async def test_a_success_resets_the_failure_count(opened):
-    flaky = await ScriptedUpstream("flaky", Script()).start()
-    opened.append(flaky)
-    gateway = await start(opened, {"flaky": flaky.url}, outlier_consecutive_failures=2)
-    for status in (500, 200, 500, 200, 500):
-        flaky.script.status = status
-        await post(gateway.url, {"model": MODEL, "prompt": "p"})
-    assert gateway.app[GATEWAY].registry.get("flaky").healthy
-    assert counter_value(gateway, "kvgate_outlier_ejections_total", instance="flaky") == 0
-    await assert_nothing_in_flight(gateway)
+def test_a_success_resets_the_failure_count_and_half_the_fleet_at_most_is_ejected():
+    instances = [InstanceConfig(id=name, url=f"http://127.0.0.1:{port}", model=MODEL)
+                 for name, port in (("a", 1), ("b", 2), ("c", 3), ("d", 4))]
+    registry = InstanceRegistry(instances)
+    detector = OutlierDetector(registry, gateway_metrics(CollectorRegistry()), failures=2, ejection_s=60)
+    for _ in range(3):
+        detector.failure("a", "HTTP 500")
+        detector.success("a")
+    assert registry.get("a").healthy  # never two in a row
+    for name in ("a", "b", "c"):
+        detector.failure(name, "HTTP 500")
+        detector.failure(name, "HTTP 500")
+    # A client able to make engines fail must not empty the fleet: two of four at most.
+    assert [registry.get(n).healthy for n in "abcd"] == [False, False, True, True]
+    registry.record_health("a", ok=True, failures_to_eject=2)
+    assert not registry.get("a").healthy  # its ejection period is not over
 
 
 @pytest.mark.parametrize("bad_url", ["http://127.0.0.1:99999/", "http://:19599/", "http://127.0.0.1 x:8000/"])
@@ -151,14 +161,19 @@ async def test_502_hides_the_engine_body_from_the_client_and_logs_it(opened, cap
 
 async def test_a_stream_broken_mid_way_is_counted_as_stream_error_not_200(opened):
     dying = await ScriptedUpstream("dying", Script(chunks=6, die_after_chunks=2)).start()
-    opened.append(dying)
-    gateway = await start(opened, {"dying": dying.url}, outlier_consecutive_failures=2)
-    for _ in range(2):
+    sound = await ScriptedUpstream("sound", Script()).start()
+    opened += [dying, sound]
+    gateway = await start(opened, {"dying": dying.url, "sound": sound.url}, outlier_consecutive_failures=2,
+                          dispatch_policy=DispatchPolicy.ROUND_ROBIN)
+    bodies = []
+    for _ in range(4):
         status, body = await post(gateway.url, {"model": MODEL, "prompt": "p", "stream": True})
-        assert status == 200 and b"upstream_stream_error" in body
+        assert status == 200
+        bodies.append(body)
+    assert sum(b"upstream_stream_error" in body for body in bodies) == 2
     route = "/v1/completions"
     assert counter_value(gateway, "kvgate_requests_total", route=route, status="stream_error") == 2
-    assert counter_value(gateway, "kvgate_requests_total", route=route, status="200") == 0
+    assert counter_value(gateway, "kvgate_requests_total", route=route, status="200") == 2
     # Broken streams are engine failures for outlier detection too.
     assert counter_value(gateway, "kvgate_outlier_ejections_total", instance="dying") == 1
     await assert_nothing_in_flight(gateway)
