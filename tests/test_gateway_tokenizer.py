@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.protocol import add_special_tokens
 from kvgate.gateway.tokenizer import (
     INLINE_MAX_CHARS,
     ChatTemplateError,
     TokenizerLoadError,
     TokenizerService,
+    default_tokenizer_dir,
     load_tokenizer,
 )
 
@@ -97,14 +103,21 @@ async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
     ids, short = await asyncio.gather(service.encode_prompt(long_text), service.encode_prompt("hi"))
     assert ids == tokenizer.encode(long_text) and short == tokenizer.encode("hi")
     messages = [{"role": "user", "content": long_text}]
-    assert await service.encode_chat(messages, len(long_text)) == full_chat_ids(tokenizer, messages)
+    assert await service.encode_chat(messages, body_bytes=len(long_text)) == full_chat_ids(tokenizer, messages)
 
 
-def test_content_parts_are_joined_and_non_text_parts_refused(tokenizer, service):
+def test_text_parts_are_joined_and_media_parts_left_out(tokenizer, service):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert service.encode_chat_sync(parts) == full_chat_ids(tokenizer, [{"role": "user", "content": "a\nb"}])
-    with pytest.raises(ChatTemplateError):
-        service.encode_chat_sync([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    media = [{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "text", "text": "b"},
+    ]}]
+    assert service.encode_chat_sync(media) == service.encode_chat_sync(parts)
+    with pytest.raises(ChatTemplateError, match="'type'"):
+        service.encode_chat_sync([{"role": "user", "content": [{"text": "x"}]}])
     with pytest.raises(ChatTemplateError, match="unsupported message role"):
         service.encode_chat_sync([{"role": "wizard", "content": "x"}])
 
@@ -221,3 +234,29 @@ def test_the_prompt_limit_comes_from_the_flag_the_instances_or_the_tokenizer():
     limit = PromptLimit(0, known, instances)
     limit.set_instances(instances[:1])  # "b" removed at run time
     assert limit.tokens("m") == 8192
+
+
+def test_add_special_tokens_follows_the_request(tmp_path):
+    """With a tokenizer that adds BOS (as Llama's do), completions get it unless the request says
+    add_special_tokens: false, and chats only when it says true (as vLLM encodes them)."""
+    source = Path(default_tokenizer_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = "<｜begin▁of▁sentence｜>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    service = TokenizerService(load_tokenizer(str(tmp_path)))
+    bare = service.encode_prompt_sync("hello there", add_special_tokens=False)
+    assert add_special_tokens({}, chat=False) and not add_special_tokens({"add_special_tokens": False}, chat=False)
+    assert service.encode_prompt_sync("hello there") == [0, *bare]
+    chat = [{"role": "user", "content": "hi"}]
+    assert not add_special_tokens({}, chat=True) and add_special_tokens({"add_special_tokens": True}, chat=True)
+    assert service.encode_chat_sync(chat, add_special_tokens=True) == [0, *service.encode_chat_sync(chat)]
+    with pytest.raises(APIError):
+        add_special_tokens({"add_special_tokens": "no"}, chat=False)

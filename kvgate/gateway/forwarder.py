@@ -14,6 +14,8 @@ Rules, in the order a request meets them:
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
   connection is closed at once, which makes the engine abort the request.
 - Each attempt owns one account entry, released on every exit path (finally).
+- Each answer's usage report is compared with the prefix hit predicted at routing (hit_accounting.py);
+  a stream whose client did not ask for usage asks the engine for it (usage.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import orjson
 from aiohttp import web
 
 from kvgate.config.settings import Settings
+from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.protocol import ParsedRequest
@@ -39,14 +43,14 @@ from kvgate.gateway.relay import (
     describe,
     relay_answer,
 )
+from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
+from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-# Client headers an engine may need (its own API key); everything else stays at the gateway.
-_PASSED_HEADERS = ("Authorization",)
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
 
@@ -59,8 +63,10 @@ class Forwarder:
         tracker: InflightTracker,
         metrics: GatewayMetrics,
         outliers: OutlierDetector,
+        hits: HitAccounting | None = None,
     ) -> None:
         self._upstream = upstream
+        self._hits = hits
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
@@ -68,6 +74,8 @@ class Forwarder:
         self._max_attempts = 1 + settings.forward_retries
         self._first_byte_timeout_s = settings.upstream_first_byte_timeout_s
         self._forward_token_ids = settings.forward_token_ids
+        # The only client header an engine may need (its own API key); see gateway/auth.py.
+        self._authorization = engine_authorization(settings)
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
 
@@ -75,8 +83,9 @@ class Forwarder:
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
-        payload = self._payload(parsed, plan)
-        headers = _upstream_headers(request, request_id)
+        compared = self._hits is not None and _comparable(parsed, plan)
+        payload, usage_asked = self._payload(parsed, plan, compared)
+        headers = _upstream_headers(request_id, self._authorization(request))
         first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else None
 
         failures: list[str] = []
@@ -93,12 +102,16 @@ class Forwarder:
             if last_failed is not None:
                 self._metrics.forward_retries.labels(last_failed).inc()
             key = f"{request_id}#{next(self._sequence)}"
-            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
+            # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
+            prompts = len(parsed.batch) if parsed.batch is not None else 1
+            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
+            tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
+            request[ANSWERED_BY] = instance_id
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived, first_byte_timeout_s)
+                                               arrived, tap, first_byte_timeout_s)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 self._outliers.failure(instance_id, str(failure))
@@ -112,6 +125,8 @@ class Forwarder:
             else:
                 self._outliers.failure(instance_id, f"stream broken: {broken}")
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            if tap is not None:
+                self._record_hit(parsed, plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
@@ -119,10 +134,27 @@ class Forwarder:
         raise APIError(502, f"no instance could answer the request (request id {request_id}; the gateway log "
                             "has the details)", code="upstream_unavailable")
 
-    def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> bytes:
-        if self._forward_token_ids and parsed.prompt_text is not None:
-            return orjson.dumps({**parsed.body, "prompt": plan.prompt_ids})
-        return parsed.raw
+    def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
+        """The body for the engine, and whether it asks for usage the client did not ask for."""
+        changes: dict = {}
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
+            changes["prompt"] = plan.prompt_ids
+        options = stream_options_asking_usage(parsed) if compared else None
+        if options is not None:
+            changes["stream_options"] = options
+        if not changes:
+            return parsed.raw, False
+        return orjson.dumps({**parsed.body, **changes}), options is not None
+
+    def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
+                    request_id: str) -> None:
+        assert self._hits is not None
+        if tap.usage is None and not tap.answered:  # a relayed 4xx, a stream cut short: no word
+            return
+        score = plan.score(instance_id)
+        predicted = score.prefix_hit_tokens if score is not None else 0
+        found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
+        self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
 
     async def _attempt(
         self,
@@ -134,6 +166,7 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        tap: UsageTap | None,
         first_byte_timeout_s: float | None,
     ) -> web.StreamResponse:
         try:
@@ -143,7 +176,7 @@ class Forwarder:
         try:
             if upstream.status >= 500:
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
-            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived))
+            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived), tap)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
@@ -161,6 +194,13 @@ class Forwarder:
             self._metrics.prefix_hit_ratio.observe(score.prefix_hit_tokens / plan.num_prompt_tokens)
 
 
+def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
+    """Whether the answer's usage can check the prediction: the store was asked, and the usage is of
+    that one prompt (a batch or n > 1 reports its prompts' or samples' sums). Other requests are
+    relayed untouched and unread."""
+    return plan.kvs_status == "ok" and parsed.batch is None and parsed.body.get("n") in (1, None)
+
+
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
     text = b""
     try:
@@ -171,13 +211,11 @@ async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
     return text[:limit].decode("utf-8", "replace") if text else "(no body)"
 
 
-def _upstream_headers(request: web.Request, request_id: str) -> str:
-    """The request's header lines for the engine: fixed ones, the request id and the passed ones."""
+def _upstream_headers(request_id: str, authorization: str | None) -> str:
+    """The request's header lines for the engine: fixed ones, the request id and the authorization."""
     lines = [_FIXED_HEADERS, _header_line(REQUEST_ID_HEADER, request_id)]
-    for name in _PASSED_HEADERS:
-        value = request.headers.get(name)
-        if value is not None:
-            lines.append(_header_line(name, value))
+    if authorization is not None:
+        lines.append(_header_line("Authorization", authorization))
     return "".join(lines)
 
 

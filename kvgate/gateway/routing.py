@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.prompt_limit import PromptLimit, prompt_too_long
-from kvgate.gateway.protocol import ParsedRequest
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.tokenizer import ChatTemplateError, PromptTooLong, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
@@ -123,6 +124,13 @@ class RoutePlanner:
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+        # A batched completion is routed on its first prompt, as one engine request. Splitting it
+        # would send prompts that usually share a long prefix (few-shot headers, evaluation
+        # templates) to different instances, losing the engine's reuse of that prefix inside the
+        # batch; and it would make the gateway assemble choice indexes, usage and interleaved
+        # stream chunks, and own partial failures, that the engine already handles as one request.
+        # The first prompt's prefix hit stands for the batch's; the account counts its miss once
+        # per prompt (forwarder.py).
         limit = self._prompt_limit.tokens(request.model)
         param = "messages" if request.messages is not None else "prompt"
         if request.prompt_ids is not None:
@@ -130,9 +138,11 @@ class RoutePlanner:
                 raise prompt_too_long(request.model, len(request.prompt_ids), limit, param)
             return request.prompt_ids
         try:
+            special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages, len(request.raw), limit)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "", limit)
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special,
+                                                         body_bytes=len(request.raw), max_tokens=limit)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", special, max_tokens=limit)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except PromptTooLong as exc:
