@@ -81,6 +81,8 @@ class InstanceConfig(BaseModel):
     role: InstanceRole = InstanceRole.NEUTRAL
     # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
     kvs_endpoints: tuple[str, ...] = ()
+    # The engine's context length (vLLM --max-model-len); bounds the prompts the gateway accepts.
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
     # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
     cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
 
@@ -165,11 +167,12 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     tokenizer: str = Field("", description="Local directory or name of a Hugging Face tokenizer (offline).")
     chat_template: str = Field("", description="Jinja chat template file overriding the tokenizer's.")
-    tokenize_cache_size: int = Field(4096, ge=0, description="Prefix-aware tokenize cache entries.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     forward_retries: int = Field(2, ge=0, description="Retries on the next-best instance before the first byte.")
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
-    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        600.0, gt=0, description="Longest gap between an engine's chunks, and the wait for a whole (non-streamed) answer."
+    )
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_failures_to_eject: int = Field(2, ge=1)
     stats_poll_interval_s: float = Field(1.0, gt=0)
@@ -218,6 +221,34 @@ class Settings(BaseModel):
     prefill_tokens_per_s: float | None = Field(
         None, gt=0, description="Deprecated: a flat prefill rate; use --ttft-prefill-points. When set "
         "alone it becomes a linear prefill curve.",
+    )
+
+    # --- hardening: memory bounds, hung engines, bounded store answers (docs/OPERATIONS.md) ---
+    tokenize_cache_bytes: int = Field(
+        128 * 1024 * 1024, ge=0,
+        description="Bytes the tokenize cache may hold (token ids and their text); 0 disables it.",
+    )
+    max_prompt_tokens: int = Field(
+        0, ge=0,
+        description="Longest prompt accepted, in tokens (400 beyond). 0: the model's context, from the "
+        "instances' max_model_len, else the tokenizer's model_max_length.",
+    )
+    upstream_first_byte_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Longest wait for a stream's first bytes from an engine; past it the request is retried "
+        "on another instance. --upstream-read-timeout-s then bounds each gap between chunks.",
+    )
+    outlier_consecutive_failures: int = Field(
+        5, ge=0, description="Eject an instance after this many failed requests in a row (0: off)."
+    )
+    outlier_ejection_s: float = Field(
+        30.0, gt=0, description="An outlier stays ejected at least this long; then a passing health check readmits it.",
+    )
+    kvs_max_query_blocks: int = Field(
+        1024, ge=1, description="Only a prompt's first N blocks are asked of the KV store."
+    )
+    kvs_max_answer_bytes: int = Field(
+        1024 * 1024, ge=1024, description="A longer KV store answer is not parsed: the lookup fails (no hits)."
     )
 
     # --- front door: clients, access control, shutdown (docs/OPERATIONS.md) ---

@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvgate.config.api_keys import load_api_keys
-from kvgate.config.settings import DebugRoutes, Settings
+from kvgate.config.settings import DebugRoutes, InstanceConfig, Settings
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.auth import ClientAuth
 from kvgate.gateway.background import every
@@ -30,6 +30,8 @@ from kvgate.gateway.health import HealthChecker
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
+from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.prompt_limit import PromptLimit
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.request_notes import MODEL, PLAN
@@ -68,19 +70,26 @@ def build_app(
     prometheus = CollectorRegistry()
     metrics = gateway_metrics(prometheus)
     scheduler = Scheduler(settings, settings.instances)
-    registry = InstanceRegistry(settings.instances, on_change=scheduler.set_instances)
     account = LoadAccount(settings.request_local_account_staleness_s)
     tokenizer_service = TokenizerService(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
-        cache_size=settings.tokenize_cache_size,
+        cache_bytes=settings.tokenize_cache_bytes,
     )
+    metrics.tokenize_cache_bytes.set_function(lambda: tokenizer_service.cached_bytes)
+    prompt_limit = PromptLimit(settings.max_prompt_tokens, tokenizer_service.tokenizer, settings.instances)
+
+    def instances_changed(instances: tuple[InstanceConfig, ...]) -> None:
+        scheduler.set_instances(instances)
+        prompt_limit.set_instances(instances)
+
+    registry = InstanceRegistry(settings.instances, on_change=instances_changed)
     store_metrics = kvs_metrics(prometheus)
     kvs = (
         ResilientKVSClient(kvs_index, settings, store_metrics)
         if kvs_index is not None
         else make_kvs_client(settings, metrics=store_metrics)
     )
-    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
+    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
                       HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size))
@@ -128,8 +137,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
+    outliers = OutlierDetector(gateway.registry, gateway.metrics, settings.outlier_consecutive_failures,
+                               settings.outlier_ejection_s)
+    gateway.registry.on_eject = lambda state: upstream.abort_waiting(state.config.url, f"{state.id} was ejected")
     gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
-                                  gateway.hits,
+                                  outliers, gateway.hits,
                                   ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)))
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,

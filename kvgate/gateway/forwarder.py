@@ -2,8 +2,13 @@
 
 Rules, in the order a request meets them:
 - Instances are tried in the decision's ranking, at most 1 + `forward_retries` of them, never the
-  same one twice. A connection error, a 5xx or a broken answer *before the client has received a
-  byte* moves on to the next; a 4xx is the client's problem and is relayed, never retried.
+  same one twice. Any failure to reach an instance, a 5xx, no first byte within
+  `--upstream-first-byte-timeout-s` (streams; a whole answer comes only once generated, so it
+  waits `--upstream-read-timeout-s`), the instance's ejection, or a broken answer *before the
+  client has received a byte* moves on to the next; a 4xx is the client's problem and is relayed,
+  never retried. Every attempt's outcome feeds passive outlier detection (outliers.py).
+- When every attempt failed the client gets a 502 naming its request id; what each engine said
+  (its 5xx body may hold tracebacks) goes to the gateway log only.
 - The answer is relayed by `relay.py` (streams cut at event boundaries; after the first byte a
   failure ends the stream with an OpenAI-style error event and `data: [DONE]`).
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
@@ -16,6 +21,7 @@ Rules, in the order a request meets them:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
@@ -27,10 +33,12 @@ from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
     REQUEST_ID_HEADER,
+    STREAM_BROKEN,
     UPSTREAM_ERRORS,
     RetryableFailure,
     describe,
@@ -43,6 +51,8 @@ from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 
+log = logging.getLogger(__name__)
+
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
 
@@ -54,6 +64,7 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        outliers: OutlierDetector,
         hits: HitAccounting | None = None,
         ttft_feedback: TTFTFeedback | None = None,
     ) -> None:
@@ -63,7 +74,9 @@ class Forwarder:
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
+        self._outliers = outliers
         self._max_attempts = 1 + settings.forward_retries
+        self._first_byte_timeout_s = settings.upstream_first_byte_timeout_s
         self._forward_token_ids = settings.forward_token_ids
         # The only client header an engine may need (its own API key); see gateway/auth.py.
         self._authorization = engine_authorization(settings)
@@ -77,6 +90,7 @@ class Forwarder:
         compared = self._hits is not None and _comparable(parsed, plan)
         payload, usage_asked = self._payload(parsed, plan, compared)
         headers = _upstream_headers(request_id, self._authorization(request))
+        first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else None
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -103,20 +117,28 @@ class Forwarder:
             request[ANSWERED_BY] = instance_id
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived, tap, on_first_byte)
+                                               arrived, tap, first_byte_timeout_s, on_first_byte)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
+                self._outliers.failure(instance_id, str(failure))
                 last_failed = instance_id
                 continue
             finally:
                 self._tracker.release(key)
+            broken = request.get(STREAM_BROKEN)
+            if broken is None:
+                self._outliers.success(instance_id)
+            else:
+                self._outliers.failure(instance_id, f"stream broken: {broken}")
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             if tap is not None:
                 self._record_hit(parsed, plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
-        raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
+        log.warning("request %s: no instance could answer: %s", request_id, "; ".join(failures))
+        raise APIError(502, f"no instance could answer the request (request id {request_id}; the gateway log "
+                            "has the details)", code="upstream_unavailable")
 
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
         """The body for the engine, and whether it asks for usage the client did not ask for."""
@@ -151,10 +173,11 @@ class Forwarder:
         request_id: str,
         arrived: float,
         tap: UsageTap | None,
+        first_byte_timeout_s: float | None,
         on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         try:
-            upstream = await self._upstream.post(url, path, headers, payload)
+            upstream = await self._upstream.post(url, path, headers, payload, first_byte_timeout_s)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         try:

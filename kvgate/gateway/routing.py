@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.prompt_limit import PromptLimit, prompt_too_long
 from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
+from kvgate.gateway.tokenizer import ChatTemplateError, PromptTooLong, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.base import LookupStatus
 from kvgate.metrics.definitions import GatewayMetrics
@@ -70,8 +71,10 @@ class RoutePlanner:
         registry: InstanceRegistry,
         account: LoadAccount,
         metrics: GatewayMetrics,
+        prompt_limit: PromptLimit,
         executor: Executor | None = None,
     ) -> None:
+        self._prompt_limit = prompt_limit
         self._scheduler = scheduler
         self._kvs = kvs
         self._tokenizer = tokenizer
@@ -129,15 +132,22 @@ class RoutePlanner:
         # stream chunks, and own partial failures, that the engine already handles as one request.
         # The first prompt's prefix hit stands for the batch's; the account counts its miss once
         # per prompt (forwarder.py).
+        limit = self._prompt_limit.tokens(request.model)
+        param = "messages" if request.messages is not None else "prompt"
         if request.prompt_ids is not None:
+            if len(request.prompt_ids) > limit:
+                raise prompt_too_long(request.model, len(request.prompt_ids), limit, param)
             return request.prompt_ids
         try:
             special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "", special)
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special,
+                                                         body_bytes=len(request.raw), max_tokens=limit)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", special, max_tokens=limit)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        except PromptTooLong as exc:
+            raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
     async def _block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
         if len(prompt_ids) <= _INLINE_HASH_TOKENS:
