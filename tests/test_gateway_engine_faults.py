@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvgate.config.settings import DispatchPolicy, InstanceConfig
+from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.server import start_gateway
@@ -56,7 +56,7 @@ async def test_stream_from_a_hung_engine_is_retried_after_the_first_byte_timeout
     # Round robin puts the hung engine first for one of two requests; its read timeout (the gap
     # between chunks) is far beyond the test's patience.
     gateway = await start(opened, {"hung": hung.url, "good": good.url}, upstream_first_byte_timeout_s=0.5,
-                          upstream_read_timeout_s=600, dispatch_policy=DispatchPolicy.ROUND_ROBIN)
+                          upstream_read_timeout_s=600, dispatch_policy="round_robin")
     for _ in range(2):
         status, body = await post(gateway.url, {"model": MODEL, "prompt": "p", "stream": True}, timeout_s=15)
         assert status == 200 and b"good-0" in body
@@ -75,7 +75,7 @@ async def test_waiting_whole_answers_fail_over_when_health_checks_eject_the_engi
     gateway = await start(opened, {"hung": hung.url, "good": good.url}, upstream_first_byte_timeout_s=600,
                           upstream_read_timeout_s=600, health_check_interval_s=0.2,
                           health_check_failures_to_eject=2, upstream_connect_timeout_s=0.2,
-                          dispatch_policy=DispatchPolicy.ROUND_ROBIN)
+                          dispatch_policy="round_robin")
     for _ in range(2):
         status, body = await post(gateway.url, {"model": MODEL, "prompt": "p"}, timeout_s=15)
         assert status == 200 and b"good-0" in body
@@ -90,7 +90,7 @@ async def test_consecutive_request_failures_eject_the_instance_until_health_chec
     good = await ScriptedUpstream("good", Script()).start()
     opened += [broken, good]
     gateway = await start(opened, {"broken": broken.url, "good": good.url},
-                          dispatch_policy=DispatchPolicy.ROUND_ROBIN, outlier_consecutive_failures=3,
+                          dispatch_policy="round_robin", outlier_consecutive_failures=3,
                           outlier_ejection_s=0.5, health_check_interval_s=0.1)
     registry = gateway.app[GATEWAY].registry
     for _ in range(12):
@@ -132,7 +132,7 @@ def test_a_success_resets_the_failure_count_and_half_the_fleet_at_most_is_ejecte
 async def test_an_instance_that_cannot_be_dialled_is_retried_never_a_500(opened, bad_url):
     good = await ScriptedUpstream("good", Script()).start()
     opened.append(good)
-    gateway = await start(opened, {"good": good.url}, dispatch_policy=DispatchPolicy.ROUND_ROBIN,
+    gateway = await start(opened, {"good": good.url}, dispatch_policy="round_robin",
                           outlier_consecutive_failures=0)
     # Added at run time the way the admin route does, past any validation at the door.
     gateway.app[GATEWAY].registry.add(InstanceConfig.model_construct(id="bad", url=bad_url, model=MODEL))
@@ -164,7 +164,7 @@ async def test_a_stream_broken_mid_way_is_counted_as_stream_error_not_200(opened
     sound = await ScriptedUpstream("sound", Script()).start()
     opened += [dying, sound]
     gateway = await start(opened, {"dying": dying.url, "sound": sound.url}, outlier_consecutive_failures=2,
-                          dispatch_policy=DispatchPolicy.ROUND_ROBIN)
+                          dispatch_policy="round_robin")
     bodies = []
     for _ in range(4):
         status, body = await post(gateway.url, {"model": MODEL, "prompt": "p", "stream": True})
@@ -184,7 +184,7 @@ async def test_concurrent_streams_waiting_on_a_hung_engine_all_fail_over(opened)
     good = await ScriptedUpstream("good", Script()).start()
     opened += [hung, good]
     gateway = await start(opened, {"hung": hung.url, "good": good.url}, upstream_first_byte_timeout_s=60,
-                          dispatch_policy=DispatchPolicy.ROUND_ROBIN, outlier_consecutive_failures=1,
+                          dispatch_policy="round_robin", outlier_consecutive_failures=1,
                           health_check_interval_s=0.2, upstream_connect_timeout_s=0.2)
     results = await asyncio.gather(*(post(gateway.url, {"model": MODEL, "prompt": "p", "stream": True}, 15)
                                      for _ in range(6)))
