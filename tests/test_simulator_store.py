@@ -57,6 +57,39 @@ def test_an_instance_loads_another_segments_prefix_instead_of_computing_it():
     assert computed.duration_s == pytest.approx(profile.step_overhead_s + profile.prefill.chunk_s(0, 8 * BS + 5))
 
 
+def test_a_block_hot_in_hbm_that_the_store_evicted_is_written_back_when_used():
+    profile = ServiceProfile(block_size=BS, cache_capacity_blocks=64)
+    store = SharedStore(1, 2, BS, STORE)
+    core = EngineCore(profile, lambda added, evicted: store.store(0, added),
+                      lambda keys: store.plan_load(0, keys), lambda keys: store.restore(0, keys))
+    core.submit(EngineRequest("a", ("k0", "k1"), 2 * BS + 1, 1), 0.0)
+    core.step(0.0)
+    assert store.store(0, ["x1", "x2"]) == (["x1", "x2"], ["k0", "k1"])  # the segment moved on
+    assert store.holder("k0") is None and "k0" in core.cache
+    core.submit(EngineRequest("b", ("k0", "k1"), 2 * BS + 1, 1), 1.0)
+    out = core.step(1.0)
+    assert out.cached_tokens["b"] == 2 * BS and out.prefill_tokens_computed == 1  # an HBM hit
+    assert (store.holder("k0"), store.holder("k1")) == (0, 0)  # written back
+    # Held keys are not touched by a write-back: x2 stays the most recent of what was there.
+    assert store.restore(0, ["k0", "k1"]) == ([], [])
+
+
+def test_the_index_keeps_a_first_block_every_request_shares(tmp_path):
+    """As in the Mooncake trace, every request starts with the same block: it stays hot in HBM, so
+    the store would evict it (nobody loads it) and the gateway would see no prefix anywhere."""
+    rows = [{**r, "hash_ids": [0, *r["hash_ids"][4:]], "input_length": 6 * 512}
+            for r in prefix_heavy_rows()]
+    trace = read_trace(write_trace(tmp_path / "shared-first.jsonl", rows))
+    profile = trace_profile(cache_capacity_blocks=96)  # 12 HBM blocks, 84 in each segment
+    replay = Replay(trace, settings("least_load"), 2, profile, store_model="shared",
+                    reference=hit_ratio_reference(trace, 2 * 96))
+    replay.run()
+    distinct = {h for r in rows for h in r["hash_ids"]}
+    assert len(distinct) > 2 * 84  # the segments turned over
+    first = replay.scheduler.block_keys(replay.blocks(trace[0]))[0]
+    assert replay.store.holder(first) is not None and replay.index.holders(first)
+
+
 @pytest.fixture
 def prefix_trace(tmp_path):
     return read_trace(write_trace(tmp_path / "prefix.jsonl", prefix_heavy_rows()))

@@ -29,6 +29,8 @@ from kvgate.engine_model.store import StoreLoad
 CacheChangeCallback = Callable[[list[str], list[str]], None]
 # Given the keys after the HBM hit, how many leading ones the shared store can load, and how fast.
 StoreLoader = Callable[[tuple[str, ...]], StoreLoad]
+# Given the keys of an HBM hit at admission: the store connector writes back those the store lost.
+StoreWriter = Callable[[tuple[str, ...]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +113,13 @@ class EngineCore:
         profile: ServiceProfile,
         on_cache_change: CacheChangeCallback | None = None,
         store_loader: StoreLoader | None = None,
+        store_writer: StoreWriter | None = None,
     ) -> None:
         self.profile = profile
         # With a shared store, prefix blocks missing from HBM are loaded at admission when the
         # store holds them (the copy time is added to that step), instead of being computed.
         self._store_loader = store_loader
+        self._store_writer = store_writer
         self.cache = BlockCache(profile.cache_capacity_blocks)
         self._on_cache_change = on_cache_change
         self._waiting: deque[_Sequence] = deque()
@@ -257,6 +261,8 @@ class EngineCore:
                 break  # first come, first served: the head waits for memory, so do the others
             evicted += freed
             self._waiting.popleft()
+            if self._store_writer is not None and matched:
+                self._store_writer(hit_keys)
             if self._store_loader is not None and matched < len(seq.keys):
                 load = self._store_loader(seq.keys[matched:])
                 if load.blocks:

@@ -5,6 +5,13 @@ As in a Mooncake deployment, each instance's segment keeps the blocks that insta
 stored twice), and any instance can load a block from any segment: from its own at host-link
 bandwidth, from another's over the network. The HBM prefix cache stays per instance (the
 engine's BlockCache); the store is what lies behind it.
+
+A block that stays hot in some instance's HBM is never loaded from the store, so the store can
+evict it while it is in use. The instance's connector then writes it back the next time a request
+uses it (`restore`: it checks existence before a put, as LMCache's store path does), so the pool -
+and the index the gateway reads - does not lose a prefix every instance still serves. Without it
+the trace's first block, shared by every request, left the index after a few minutes and the
+gateway saw no prefix anywhere for the rest of the replay.
 """
 
 from __future__ import annotations
@@ -66,7 +73,6 @@ class SharedStore:
 
     def store(self, segment: int, keys: Sequence[str]) -> tuple[list[str], list[str]]:
         """Keep computed blocks in the segment; returns (keys added, keys evicted) for the index."""
-        lru = self._segments[segment]
         added: list[str] = []
         evicted: list[str] = []
         for key in keys:
@@ -74,11 +80,25 @@ class SharedStore:
             if holder is not None:
                 self._segments[holder].move_to_end(key)  # a second put adds no replica
                 continue
-            if len(lru) >= self._capacity:
-                old, _ = lru.popitem(last=False)
-                del self._holder[old]
-                evicted.append(old)
-            lru[key] = None
-            self._holder[key] = segment
-            added.append(key)
+            self._put(segment, key, added, evicted)
         return added, evicted
+
+    def restore(self, segment: int, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Write back blocks an instance holds in HBM that the pool no longer holds; held ones are
+        left untouched (their recency is the store's own). Returns (keys added, keys evicted)."""
+        added: list[str] = []
+        evicted: list[str] = []
+        for key in keys:
+            if key not in self._holder:
+                self._put(segment, key, added, evicted)
+        return added, evicted
+
+    def _put(self, segment: int, key: str, added: list[str], evicted: list[str]) -> None:
+        lru = self._segments[segment]
+        if len(lru) >= self._capacity:
+            old, _ = lru.popitem(last=False)
+            del self._holder[old]
+            evicted.append(old)
+        lru[key] = None
+        self._holder[key] = segment
+        added.append(key)

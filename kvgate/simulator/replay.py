@@ -14,7 +14,8 @@ Store models (`--store-model`):
 - shared (a Mooncake deployment): each instance has an HBM prefix cache of an eighth of its
   capacity (profile.hbm_blocks) and a DRAM segment of the rest in one shared store (engine_model.store): what it computes
   goes to its segment, and a prefix missing from HBM is loaded from its own segment at host-link
-  bandwidth or from another's at network bandwidth. The index reports the segments.
+  bandwidth or from another's at network bandwidth; HBM hits the store lost are written back. The
+  index reports the segments.
 - local: one cache per instance of the whole capacity, loaded for free, reported as is (no
   instance can use another's blocks).
 
@@ -115,7 +116,8 @@ class Replay:
         if self.store is not None:
             profile = dataclasses.replace(profile, cache_capacity_blocks=hbm_blocks(profile.cache_capacity_blocks))
         self.instances = [
-            SimInstance(c, EngineCore(profile, self._publisher(slot, c), self._store_loader(slot)))
+            SimInstance(c, EngineCore(profile, self._publisher(slot, c), self._store_loader(slot),
+                                      self._store_writer(slot, c)))
             for slot, c in enumerate(configs)
         ]
         self._slot_of = {inst.config.id: slot for slot, inst in enumerate(self.instances)}
@@ -162,13 +164,23 @@ class Replay:
 
         def on_computed(added: list[str], evicted_from_hbm: list[str]) -> None:
             # HBM evictions stay in the store; what was computed goes to this instance's segment.
-            stored, dropped = store.store(slot, added)
-            if dropped:
-                index.remove(dropped, endpoint)
-            if stored:
-                index.add(stored, endpoint)
+            self._index_segment(endpoint, *store.store(slot, added))
 
         return on_computed
+
+    def _store_writer(self, slot: int, config: InstanceConfig) -> Callable[[tuple[str, ...]], None] | None:
+        store = self.store
+        if store is None:
+            return None
+        endpoint = config.kvs_endpoints[0]
+        # An HBM hit the store lost (hot in HBM, so never loaded from it) is written back.
+        return lambda keys: self._index_segment(endpoint, *store.restore(slot, keys))
+
+    def _index_segment(self, endpoint: str, stored: list[str], dropped: list[str]) -> None:
+        if dropped:
+            self.index.remove(dropped, endpoint)
+        if stored:
+            self.index.add(stored, endpoint)
 
     def _store_loader(self, slot: int) -> Callable[[tuple[str, ...]], StoreLoad] | None:
         store = self.store
