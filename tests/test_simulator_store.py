@@ -11,6 +11,7 @@ from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
 from kvgate.engine_model.store import SharedStore, StoreProfile
 from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
+from kvgate.simulator.report import percentile
 from kvgate.simulator.trace import read_trace
 from tests.test_simulator import prefix_heavy_rows, settings
 from tests.trace_helpers import write_trace
@@ -131,3 +132,24 @@ def test_json_reports_slo_attainment_goodput_rejections_and_transfers(tmp_path, 
     # Served within SLO / arrived, consistent with goodput over the makespan.
     body = bodies["early"]
     assert body["goodput_rps"] == pytest.approx(body["slo_attainment"] * 120 / body["makespan_s"])
+
+
+def test_summary_reports_the_ttft_models_error_on_every_served_request(prefix_trace):
+    replay = Replay(prefix_trace, settings("conductor"), 2, trace_profile(cache_capacity_blocks=80),
+                    store_model="shared", reference=hit_ratio_reference(prefix_trace, 2 * 80))
+    predicted: dict[int, float] = {}
+    observe = replay.scheduler.observe_dispatch
+
+    def record(decision, instance_id, num_prompt_tokens, max_tokens):
+        prediction = observe(decision, instance_id, num_prompt_tokens, max_tokens)
+        predicted[len(predicted)] = prediction.predicted_ttft_s  # requests dispatch in trace order
+        return prediction
+
+    replay.scheduler.observe_dispatch = record
+    summary = replay.run().summary
+    # Dispatch is at arrival in the simulator: measured TTFT minus the prediction made then.
+    errors = sorted(replay.ttft[i] - predicted[i] for i in range(len(prefix_trace)))
+    assert len(replay.prediction_errors) == len(prefix_trace)
+    assert sorted(replay.prediction_errors) == pytest.approx(errors)
+    assert summary.prediction_error_p50_s == pytest.approx(percentile(errors, 50))
+    assert summary.prediction_error_p10_s <= summary.prediction_error_p50_s <= summary.prediction_error_p90_s

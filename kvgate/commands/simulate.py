@@ -33,6 +33,8 @@ _COLUMNS = (
     ("mean_queue_s", "mean queue s", "{:.3f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
     ("transfer_tokens", "transfer tok", "{}"),
+    ("prediction_error_p50_s", "pred err p50 s", "{:.3f}"),
+    ("prediction_error_p90_s", "pred err p90 s", "{:.3f}"),
     ("rejected", "rejected", "{}"),
     ("slo_attainment", "within SLO", "{:.1%}"),
     ("goodput_rps", "goodput/s", "{:.2f}"),

@@ -132,6 +132,7 @@ class Replay:
         self.tbt = [math.nan] * n
         self.rejected = [False] * n
         self._predictions: dict[int, tuple[TTFTPrediction, float]] = {}
+        self.prediction_errors: list[float] = []  # measured minus predicted TTFT, in first-token order
         self.steps = 0
         self.prefill_time_s = 0.0
         self.transfer_tokens = 0
@@ -294,7 +295,7 @@ class Replay:
             account.first_token(rid, now)
             predicted = self._predictions.pop(i, None)
             if predicted is not None:
-                self.scheduler.observe_ttft(predicted[0], now - predicted[1])
+                self.prediction_errors.append(self.scheduler.observe_ttft(predicted[0], now - predicted[1]))
         for rid in out.finished:
             i = int(rid)
             self.finish[i] = now
@@ -340,6 +341,7 @@ class Replay:
             slo=SLOOutcome.measure(self.ttft, self.tbt, self.rejected, self._settings.ttft_slo_s,
                                    self._settings.tbt_slo_s),
             transfer_tokens=self.transfer_tokens,
+            prediction_errors=self.prediction_errors,
         )
         return SimulationResult(summary, ttfts)
 

@@ -84,6 +84,11 @@ class SimulationSummary:
     rejected: int
     # Prompt tokens loaded from other instances' segments of the shared store (0 with a local store).
     transfer_tokens: int
+    # Measured minus predicted TTFT of each served request on the instance it went to (the TTFT
+    # model's prediction, whatever the policy), seconds: how well the model knows the fleet.
+    prediction_error_p10_s: float
+    prediction_error_p50_s: float
+    prediction_error_p90_s: float
 
     def to_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
@@ -105,8 +110,10 @@ def summarise(
     wall_time_s: float,
     slo: SLOOutcome,
     transfer_tokens: int,
+    prediction_errors: Sequence[float] = (),
 ) -> SimulationSummary:
     ttft_sorted = sorted(ttfts)
+    errors_sorted = sorted(prediction_errors)
     queue_sorted = sorted(queue_times)
     makespan = (max(finishes) - min(arrivals)) if finishes else 0.0
     return SimulationSummary(
@@ -135,4 +142,7 @@ def summarise(
         goodput_rps=slo.within_slo / makespan if makespan > 0 else math.nan,
         rejected=slo.rejected,
         transfer_tokens=transfer_tokens,
+        prediction_error_p10_s=percentile(errors_sorted, 10),
+        prediction_error_p50_s=percentile(errors_sorted, 50),
+        prediction_error_p90_s=percentile(errors_sorted, 90),
     )
