@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
@@ -36,6 +37,9 @@ class WorkerShare:
     table: SharedTable
     rows: SharedRows
 
+    def __post_init__(self) -> None:
+        self._tag = f"{self.spec.index}:{os.getpid()}"
+
     @property
     def leader(self) -> bool:
         """The one worker that runs health checks, engine-stats scraping and the account sync."""
@@ -45,8 +49,8 @@ class WorkerShare:
         return SharedRegistry(self.table, on_change)
 
     async def tag_response(self, _request: web.Request, response: web.StreamResponse) -> None:
-        """Every answer names the worker that gave it (X-Kvgate-Worker), for operators and tests."""
-        response.headers[WORKER_HEADER] = str(self.spec.index)
+        """Every answer names the worker that gave it ("<index>:<pid>"), for operators and tests."""
+        response.headers[WORKER_HEADER] = self._tag
 
 
 def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
