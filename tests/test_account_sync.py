@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from kvgate.gateway.server import GatewayHandle, start_gateway
-from kvgate.kvs_client.launch import free_port
+from kvgate.processes import free_port
 from tests.gateway_helpers import assert_nothing_in_flight, counter_value, gateway_settings, tokenizer
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 from tests.services import running_redis_server

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.kvs_client.launch import free_port
+from kvgate.processes import free_port
 from kvgate.workers.worker import WORKER_HEADER
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 

@@ -38,8 +38,8 @@ from tabulate import tabulate
 
 from kvgate.bench.loadgen import OVERHEAD_PROMPT, ClosedLoopResult, closed_loop_in_process, in_own_process
 from kvgate.bench.routers import instant_backends
-from kvgate.kvs_client.launch import LocalProcess, free_port
 from kvgate.mock_engine.server import DEFAULT_MODEL
+from kvgate.processes import LocalProcess, free_port
 
 _START_TIMEOUT_S = 90.0
 

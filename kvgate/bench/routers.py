@@ -45,7 +45,8 @@ from kvgate.bench.loadgen import (
 )
 from kvgate.bench.replay import ReplayConfig, replay_in_process
 from kvgate.config.settings import DispatchPolicy, Settings
-from kvgate.kvs_client.launch import LocalProcess, ServiceStartError, free_port, start_redis_server
+from kvgate.kvs_client.launch import start_redis_server
+from kvgate.processes import LocalProcess, ServiceStartError, free_port
 from kvgate.simulator.trace import TraceError, ideal_hit_ratio, read_trace
 
 KVGATE = "kvgate"
