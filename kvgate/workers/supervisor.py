@@ -82,6 +82,8 @@ class Supervisor:
         try:
             if not self._start_all():
                 return 1
+            if self._stopping:
+                return 0
             print(f"kvgate gateway listening on {self.url}", flush=True)
             log.info("kvgate gateway listening on %s with %d workers", self.url, self._count)
             return self._watch()
@@ -103,7 +105,9 @@ class Supervisor:
         deadline = time.monotonic() + _START_TIMEOUT_S
         for process, ready in started:
             while not ready.wait(0.2):  # type: ignore[attr-defined]
-                if self._stopping or not process.is_alive() or time.monotonic() > deadline:
+                if self._stopping:  # asked to stop while starting: a clean stop
+                    return True
+                if not process.is_alive() or time.monotonic() > deadline:
                     log.error("worker %s did not start (exit code %s)", process.name, process.exitcode)
                     return False
         return True
