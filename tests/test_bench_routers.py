@@ -11,23 +11,10 @@ import pytest
 
 from kvgate.bench import peers
 from kvgate.bench.loadgen import ClosedLoopResult, LatencyStats, summarize_replay
-from kvgate.bench.routers import (
-    DEFAULT_TARGETS,
-    DIRECT,
-    Engine,
-    RoutersConfig,
-    Target,
-    TargetResult,
-    added_latency_ms,
-    cpu_split,
-    gateway_stage_ms,
-    kvgate_config,
-    pinned,
-    plot,
-    results_json,
-    serves_tokenize,
-    table_rows,
-)
+from kvgate.bench.routers.phases import gateway_stage_ms, serves_tokenize
+from kvgate.bench.routers.processes import Engine, cpu_split, kvgate_config, pinned
+from kvgate.bench.routers.report import added_latency_ms, plot, results_json, table_rows
+from kvgate.bench.routers.targets import DEFAULT_TARGETS, DIRECT, RoutersConfig, Target, TargetResult
 from kvgate.config.settings import DispatchPolicy, Settings
 
 WORKERS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]

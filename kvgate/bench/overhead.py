@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tabulate import tabulate
 
 from kvgate.bench.loadgen import OVERHEAD_PROMPT, ClosedLoopResult, closed_loop_in_process, in_own_process
-from kvgate.bench.routers import instant_backends
+from kvgate.bench.routers.processes import instant_backends
 from kvgate.mock_engine.server import DEFAULT_MODEL
 from kvgate.processes import LocalProcess, free_port
 
