@@ -8,8 +8,10 @@ Every target (a router with a policy, or no router at all) gets the same two pha
    sglang-router refuses token-id prompts (HTTP 422); each trace token is one word that the
    engines' tokenizer encodes as one token. Figures: token-weighted hit ratio and TTFT.
 2. Overhead. The router in front of instant backends (answers at once, see instant_backend);
-   closed loops at concurrency 1 and 32 with a ~2 KB non-streaming one-token request. The same
-   loops sent straight to one backend are the baseline: added latency = router - direct.
+   closed loops at concurrency 1 and 32 with a ~2 KB non-streaming one-token request (~400
+   tokens: kvgate's cache-aware threshold is lowered below it, so kvgate tokenizes, hashes and
+   asks the store as for a long prompt). The same loops sent straight to one backend are the
+   baseline: added latency = router - direct. `--workers 1,2` runs kvgate once per worker count.
 
 The load generator always runs in a process of its own. Routers and engines are processes too,
 all on 127.0.0.1. Peers are installed into their own virtualenv (see peers.py); one that cannot

@@ -48,6 +48,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--targets", default=",".join(
         t.router if t.router == DIRECT else f"{t.router}:{t.policy}" for t in DEFAULT_TARGETS),
         help="comma-separated router:policy list (direct = one backend, the overhead baseline)")
+    parser.add_argument("--workers", default="1",
+                        help="comma-separated `kvgate serve --workers` counts; each kvgate target runs once per count")
     parser.add_argument("--venv", type=Path, default=None,
                         help=f"peers' virtualenv (default {peers.default_venv_dir()})")
     parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
@@ -60,7 +62,11 @@ def add_parser(subparsers) -> None:
 
 
 def _config_from(args: argparse.Namespace) -> RoutersConfig:
-    targets = tuple(Target.parse(t.strip()) for t in args.targets.split(",") if t.strip())
+    workers = tuple(int(w) for w in args.workers.split(",") if w.strip())
+    if not workers or min(workers) < 1:
+        raise ValueError("--workers needs positive counts, e.g. 1,2")
+    targets = tuple(expanded for t in args.targets.split(",") if t.strip()
+                    for expanded in Target.parse(t.strip()).with_workers(workers))
     concurrency = tuple(int(c) for c in args.overhead_concurrency.split(",") if c.strip())
     if not targets or not concurrency or min(concurrency) < 1:
         raise ValueError("--targets and --overhead-concurrency need at least one entry; concurrency >= 1")

@@ -15,7 +15,14 @@ from pathlib import Path
 import yaml
 
 from kvgate.bench import peers
-from kvgate.bench.routers.targets import DIRECT, KVGATE, MODEL, RoutersConfig, Target
+from kvgate.bench.routers.targets import (
+    DIRECT,
+    KVGATE,
+    MODEL,
+    OVERHEAD_CACHE_AWARE_MIN_TOKENS,
+    RoutersConfig,
+    Target,
+)
 from kvgate.processes import LocalProcess, free_port
 
 _START_TIMEOUT_S = 90.0
@@ -84,11 +91,13 @@ def instant_backends(count: int, log_dir: Path) -> Iterator[list[Engine]]:
         yield backends
 
 
-def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: str, tokenizer: str) -> dict:
+def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: str, tokenizer: str,
+                  workers: int = 1, cache_aware_min_tokens: int | None = None) -> dict:
     """The gateway's YAML settings: the engines as instances, their Redis endpoints as kvs_endpoints."""
-    config = {
+    config: dict = {
         "host": "127.0.0.1",
         "port": port,
+        "workers": workers,
         "dispatch_policy": policy,
         "kvs_backend": "redis",
         "kvs_redis_url": redis_url,
@@ -100,6 +109,8 @@ def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: 
     }
     if tokenizer:
         config["tokenizer"] = tokenizer
+    if cache_aware_min_tokens is not None:
+        config["cache_aware_scheduling_min_tokens"] = cache_aware_min_tokens
     return config
 
 
@@ -138,10 +149,12 @@ def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    slug = f"{target.router}-{target.policy}-{phase}"
+    slug = f"{target.router}-{target.policy}-w{target.workers}-{phase}"
     if target.router == KVGATE:
         config_path = log_dir / f"{slug}.yaml"
-        config_path.write_text(yaml.safe_dump(kvgate_config(target.policy, port, engines, redis_url, tokenizer)))
+        min_tokens = OVERHEAD_CACHE_AWARE_MIN_TOKENS if phase == "overhead" else None
+        config = kvgate_config(target.policy, port, engines, redis_url, tokenizer, target.workers, min_tokens)
+        config_path.write_text(yaml.safe_dump(config))
         argv = _kvgate_cli("serve", "--config", str(config_path), "--log-level", "WARNING")
     else:
         build = peers.PEER_COMMANDS[target.router]

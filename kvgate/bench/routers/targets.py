@@ -12,23 +12,33 @@ from kvgate.config.settings import DispatchPolicy, Settings
 KVGATE = "kvgate"
 DIRECT = "direct"
 MODEL = "kvgate/mock-llm"
-_START_TIMEOUT_S = 90.0
 # The mock engines run with the default --kvs-chunk-size, which is their KV block size.
 ENGINE_BLOCK_TOKENS = Settings().kvs_chunk_size
+# kvgate's cache-aware threshold in the overhead phase: below the ~400-token prompt, so the phase
+# measures the cache-aware path (tokenize, hash, store lookup) rather than load-only routing.
+OVERHEAD_CACHE_AWARE_MIN_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class Target:
     router: str  # kvgate | sglang-router | vllm-router | direct
     policy: str = ""
+    workers: int = 1  # kvgate only: `kvgate serve --workers`
 
     @property
     def label(self) -> str:
-        return f"{self.router} {self.policy}".strip()
+        workers = f" x{self.workers}" if self.router == KVGATE and self.workers != 1 else ""
+        return f"{self.router} {self.policy}{workers}".strip()
 
     @classmethod
     def parse(cls, text: str) -> Target:
+        """router[:policy], or kvgate:policy:workers."""
         router, _, policy = text.partition(":")
+        policy, _, workers = policy.partition(":")
+        if workers and router != KVGATE:
+            raise ValueError(f"{text!r}: only kvgate takes a worker count")
+        if workers and (not workers.isdigit() or int(workers) < 1):
+            raise ValueError(f"{text!r}: the worker count must be a positive integer")
         if router == DIRECT:
             return cls(DIRECT)
         if router not in (KVGATE, *peers.PEER_VERSIONS):
@@ -37,7 +47,13 @@ class Target:
         policies = [p.value for p in DispatchPolicy] if router == KVGATE else list(peers.PEER_POLICIES)
         if policy not in policies:
             raise ValueError(f"{text!r}: policy must be one of {policies}")
-        return cls(router, policy)
+        return cls(router, policy, int(workers or 1))
+
+    def with_workers(self, counts: tuple[int, ...]) -> list[Target]:
+        """kvgate once per worker count; any other target as it is."""
+        if self.router != KVGATE:
+            return [self]
+        return [Target(self.router, self.policy, count) for count in counts]
 
 
 DEFAULT_TARGETS = (
