@@ -6,6 +6,7 @@ import importlib
 
 # benchmark -> module with `add_parser(subparsers)`.
 BENCHMARKS = {
+    "account-sync": "kvgate.bench.account_sync",
     "decision": "kvgate.bench.decision",
     "kvs": "kvgate.bench.kvs_query",
     "overhead": "kvgate.bench.overhead",
