@@ -53,6 +53,11 @@ class ResilientKVSClient:
         self._down_until: float | None = None
         self._probe_running = False
         self.last_error: str | None = None
+        # Labelled children resolved once: labels() per lookup costs more than the observation.
+        self._query_seconds = metrics.query_seconds.labels(self.name) if metrics else None
+        self._keys_per_query = metrics.keys_per_query.labels(self.name) if metrics else None
+        self._outcomes = {outcome: metrics.query_outcomes.labels(self.name, outcome)
+                          for outcome in ("hit", "miss", "error", "skipped_down")} if metrics else {}
         self._set_up_gauge(True)
 
     @property
@@ -180,9 +185,9 @@ class ResilientKVSClient:
             log.warning("KV store %s answers again; lookups resume", self.name)
 
     def _finish(self, lookup: KVSLookup, key_count: int) -> KVSLookup:
-        if self._metrics is not None:
-            self._metrics.query_seconds.labels(self.name).observe(lookup.elapsed_s)
-            self._metrics.keys_per_query.labels(self.name).observe(key_count)
+        if self._query_seconds is not None and self._keys_per_query is not None:
+            self._query_seconds.observe(lookup.elapsed_s)
+            self._keys_per_query.observe(key_count)
         if lookup.status == "error":
             self._count("error")
         else:
@@ -190,8 +195,8 @@ class ResilientKVSClient:
         return lookup
 
     def _count(self, outcome: str) -> None:
-        if self._metrics is not None:
-            self._metrics.query_outcomes.labels(self.name, outcome).inc()
+        if outcome in self._outcomes:
+            self._outcomes[outcome].inc()
 
     def _set_up_gauge(self, up: bool) -> None:
         if self._metrics is not None:
