@@ -34,6 +34,9 @@ DEFAULT_CHAT_TEMPLATE = Path(__file__).parent / "templates" / "default_chat_temp
 MIN_SEGMENT_CHARS = 512
 # Below this many characters, encoding on the event loop (~10-100 us) is cheaper than a thread hand-off.
 INLINE_MAX_CHARS = 2048
+# Longer prompts (a 32K-character prompt takes tens of milliseconds of new text to encode) have a
+# thread of their own, so that they never queue the medium ones behind them.
+LONG_PROMPT_CHARS = 32768
 
 
 class TokenizerLoadError(ValueError):
@@ -193,6 +196,9 @@ class TokenizerService:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when fast
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-tokenize")
+        self._long_executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize-long") if executor is None else executor
+        )
         self._cache = _LRU(cache_size)
         self._segmenter: _Segmenter | None = _Segmenter(
             _template_tokens(tokenizer), _lstrip_first_chars(tokenizer), min_segment_chars
@@ -208,13 +214,17 @@ class TokenizerService:
     async def encode_prompt(self, text: str) -> list[int]:
         if len(text) <= INLINE_MAX_CHARS:
             return self.encode_prompt_sync(text)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_prompt_sync, text)
+        return await asyncio.get_running_loop().run_in_executor(self._pool(len(text)), self.encode_prompt_sync, text)
 
     async def encode_chat(self, messages: list[dict]) -> list[int]:
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= INLINE_MAX_CHARS:
             return self.encode_chat_sync(messages)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_chat_sync, messages)
+        return await asyncio.get_running_loop().run_in_executor(self._pool(size), self.encode_chat_sync, messages)
+
+    def _pool(self, chars: int) -> Executor:
+        # The Rust tokenizer encodes outside the GIL, so both pools make progress at once.
+        return self._long_executor if chars > LONG_PROMPT_CHARS else self._executor
 
     def encode_prompt_sync(self, text: str) -> list[int]:
         """Ids for /v1/completions: the tokenizer's special tokens around the text."""
@@ -245,6 +255,7 @@ class TokenizerService:
     def close(self) -> None:
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._long_executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def cached_segments(self) -> int:
