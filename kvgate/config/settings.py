@@ -13,6 +13,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvgate.config import instance_rules
+from kvgate.config.api_keys import load_api_keys
+
 
 class KVSBackendName(StrEnum):
     MOONCAKE = "mooncake"
@@ -33,10 +36,24 @@ class DispatchPolicy(StrEnum):
     CACHE_AWARE = "cache_aware"
 
 
+class DebugRoutes(StrEnum):
+    PUBLIC = "public"
+    ADMIN = "admin"  # behind the admin token
+    OFF = "off"
+
+
 class InstanceRole(StrEnum):
     NEUTRAL = "neutral"
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class PrfaasBandwidthMode(StrEnum):
+    """How a request's cached prefixes in the two clusters are weighed (Prefill-as-a-Service)."""
+
+    AUTO = "auto"  # abundant while the link is below --prfaas-abundant-below-utilisation, else scarce
+    SCARCE = "scarce"  # each cluster's cached prefix judged on its own; nothing shipped but the KV
+    ABUNDANT = "abundant"  # the longer cached prefix wherever it lies, shipped across when needed
 
 
 # Load metrics a user may put in --dispatch-metric-order (the cache metrics are added by the policy).
@@ -49,17 +66,33 @@ LOAD_METRICS = (
 CACHE_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
 
 
+# The cluster an instance belongs to unless its config names another.
+LOCAL_CLUSTER = "local"
+
+
 class InstanceConfig(BaseModel):
     """One engine instance behind the gateway."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: Annotated[str, Field(min_length=1)]
-    url: Annotated[str, Field(pattern=r"^https?://")]
+    id: str
+    url: str
     model: Annotated[str, Field(min_length=1)]
     role: InstanceRole = InstanceRole.NEUTRAL
     # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
     kvs_endpoints: tuple[str, ...] = ()
+    # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
+    cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, value: str) -> str:
+        return instance_rules.check_instance_id(value)
+
+    @field_validator("url")
+    @classmethod
+    def _valid_url(cls, value: str) -> str:
+        return instance_rules.check_instance_url(value)
 
 
 class Settings(BaseModel):
@@ -166,7 +199,121 @@ class Settings(BaseModel):
         1.0, gt=0, description="A replica's published rows vanish this long after its last publication."
     )
 
+    # --- front door: clients, access control, shutdown (docs/OPERATIONS.md) ---
+    client_request_timeout_s: float = Field(
+        30.0, gt=0, description="Drop a request whose headers (counted from the connection going idle) or "
+        "whose body (counted from the end of its headers) is not complete after this long; also closes "
+        "idle keep-alive connections.",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, time in-flight requests get to finish before the rest are "
+        "ended with an error.",
+    )
+    api_keys_file: str = Field(
+        "", description="File of client API keys ('name:key' or a bare key per line, # comments); "
+        "when set, /v1/* needs 'Authorization: Bearer <key>'.",
+    )
+    api_key_rate_limit_rps: float = Field(0.0, ge=0, description="Requests per second per API key; 0 = no limit.")
+    api_key_rate_limit_burst: int = Field(
+        0, ge=0, description="Requests a key may send at once above its rate (0 = one second's worth).",
+    )
+    api_key_max_inflight: int = Field(0, ge=0, description="Concurrent requests per API key; 0 = no limit.")
+    engine_api_key: str = Field(
+        "", description="Bearer token sent to engines. Without it, engines get the client's Authorization "
+        "header, except with --api-keys-file, whose keys never leave the gateway.",
+    )
+    debug_routes: DebugRoutes = Field(
+        DebugRoutes.PUBLIC, description="public | admin (behind --admin-token) | off: /debug/schedule and /metrics."
+    )
+    access_log: bool = Field(False, description="One JSON line per request on stdout (logger kvgate.access).")
+    instance_networks: tuple[str, ...] = Field(
+        (), description="Comma-separated CIDRs instance URLs must point into (IP hosts only); empty = any.",
+    )
+
+    # --- Prefill-as-a-Service: a remote prefill cluster for long prompts (docs/PLANNER.md) ---
+    prfaas_cluster: str = Field(
+        "", description="Cluster of prefill-only instances long prompts are prefilled in; empty = off."
+    )
+    prfaas_egress_gbps: float = Field(
+        0.0, ge=0, description="Bandwidth of the link from the PrfaaS cluster to the local cluster."
+    )
+    prfaas_kv_bytes_per_token: float = Field(
+        0.0, ge=0, description="KV cache bytes per prompt token (used when --prfaas-kv-size-mib is empty)."
+    )
+    prfaas_kv_size_mib: dict[int, float] = Field(
+        default_factory=dict,
+        description="KV cache per request by prompt length, e.g. '1024:190.8,8192:308.9' (MiB; "
+        "interpolated; hybrid-attention models carry a fixed state a per-token figure misses).",
+    )
+    prfaas_threshold_tokens: int = Field(
+        8192, ge=0, description="Prompts whose uncached part is longer than this are prefilled remotely."
+    )
+    prfaas_threshold_min_tokens: int = Field(
+        2048, ge=0, description="Lowest threshold adaptation may set when local prefill saturates."
+    )
+    prfaas_threshold_max_tokens: int = Field(
+        131072, ge=0, description="Highest threshold adaptation may set when the link or PrfaaS saturates."
+    )
+    prfaas_bandwidth_mode: PrfaasBandwidthMode = Field(
+        PrfaasBandwidthMode.AUTO, description="auto | scarce | abundant (how cached prefixes are weighed)."
+    )
+    prfaas_abundant_below_utilisation: float = Field(
+        0.5, ge=0, le=1, description="In auto mode the link counts as abundant below this utilisation."
+    )
+    prfaas_link_saturated_utilisation: float = Field(
+        0.9, gt=0, le=1, description="Link utilisation at which the threshold rises (fewer prompts cross)."
+    )
+    prfaas_queue_saturated_tokens: int = Field(
+        65536, ge=1, description="Queued prefill tokens per instance at which a cluster counts as saturated."
+    )
+    prfaas_link_window_s: float = Field(10.0, gt=0, description="Window of the link utilisation estimate.")
+    prfaas_adapt_interval_s: float = Field(
+        5.0, gt=0, description="At most one threshold change per interval."
+    )
+    prfaas_adapt_factor: float = Field(
+        1.25, gt=1, description="Each threshold change multiplies or divides by this."
+    )
+
     instances: tuple[InstanceConfig, ...] = ()
+
+    @field_validator("prfaas_kv_size_mib", mode="before")
+    @classmethod
+    def _parse_kv_table(cls, value):
+        # From a flag or the environment the table comes as "1024:190.8,8192:308.9".
+        if isinstance(value, str):
+            pairs = [part.split(":", 1) for part in value.split(",") if part.strip()]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ValueError("expected LENGTH:MIB pairs separated by commas, e.g. 1024:190.8,8192:308.9")
+            value = {key.strip(): mib.strip() for key, mib in pairs}
+        return value
+
+    @model_validator(mode="after")
+    def _prfaas_consistent(self) -> Settings:
+        if not self.prfaas_cluster:
+            return self
+        if self.prfaas_cluster == LOCAL_CLUSTER:
+            raise ValueError(f"prfaas_cluster cannot be {LOCAL_CLUSTER!r}, every instance's default cluster")
+        if self.prfaas_egress_gbps <= 0:
+            raise ValueError("prfaas_egress_gbps must be > 0 when prfaas_cluster is set")
+        if not self.prfaas_kv_size_mib and self.prfaas_kv_bytes_per_token <= 0:
+            raise ValueError("prfaas_cluster needs prfaas_kv_size_mib or prfaas_kv_bytes_per_token")
+        if self.prfaas_kv_size_mib and (
+            len(self.prfaas_kv_size_mib) < 2
+            or min(self.prfaas_kv_size_mib) < 1
+            or min(self.prfaas_kv_size_mib.values()) < 0
+        ):
+            raise ValueError("prfaas_kv_size_mib needs two lengths or more, lengths >= 1, sizes >= 0")
+        if (
+            not self.prfaas_threshold_min_tokens
+            <= self.prfaas_threshold_tokens
+            <= self.prfaas_threshold_max_tokens
+        ):
+            raise ValueError(
+                "prfaas thresholds must satisfy min <= threshold <= max "
+                f"({self.prfaas_threshold_min_tokens} <= {self.prfaas_threshold_tokens} "
+                f"<= {self.prfaas_threshold_max_tokens})"
+            )
+        return self
 
     @field_validator("dispatch_metric_order", mode="before")
     @classmethod
@@ -198,6 +345,32 @@ class Settings(BaseModel):
     def _empty_seed_is_zero(cls, value):
         # vLLM and Llumnix treat an unset or empty seed as "0".
         return value or "0"
+
+    @field_validator("instance_networks", mode="before")
+    @classmethod
+    def _split_networks(cls, value):
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("instance_networks")
+    @classmethod
+    def _valid_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(network) for network in instance_rules.parse_networks(value))
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _readable_api_keys(cls, value: str) -> str:
+        if value:
+            load_api_keys(value)
+        return value
+
+    @model_validator(mode="after")
+    def _instances_in_allowed_networks(self) -> Settings:
+        networks = instance_rules.parse_networks(self.instance_networks)
+        for instance in self.instances:
+            instance_rules.check_url_in_networks(instance.url, networks)
+        return self
 
     @model_validator(mode="after")
     def _unique_instance_ids(self) -> Settings:

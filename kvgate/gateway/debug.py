@@ -7,17 +7,20 @@ account is not touched, so it is safe to call against a production gateway.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 from aiohttp import web
 
 from kvgate.gateway.admission import predicted_ttft_s
-from kvgate.gateway.errors import APIError
+from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.state import GATEWAY
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/debug/schedule", _schedule)
+def add_routes(app: web.Application, guard: Callable[[Handler], Handler] | None = None) -> None:
+    """`guard` wraps the handler (the admin-token check of --debug-routes admin)."""
+    app.router.add_post("/debug/schedule", guard(_schedule) if guard else _schedule)
 
 
 async def _schedule(request: web.Request) -> web.Response:

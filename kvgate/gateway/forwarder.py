@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from kvgate.config.settings import Settings
+from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.protocol import ParsedRequest
@@ -31,12 +32,11 @@ from kvgate.gateway.relay import (
     describe,
     relay_answer,
 )
+from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.metrics.definitions import GatewayMetrics
 
-# Client headers an engine may need (its own API key); everything else stays at the gateway.
-_PASSED_HEADERS = ("Authorization",)
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
 
@@ -55,6 +55,8 @@ class Forwarder:
         self._metrics = metrics
         self._max_attempts = 1 + settings.forward_retries
         self._forward_token_ids = settings.forward_token_ids
+        # The only client header an engine may need (its own API key); see gateway/auth.py.
+        self._authorization = engine_authorization(settings)
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
 
@@ -63,7 +65,7 @@ class Forwarder:
     ) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         payload = self._payload(parsed, plan)
-        headers = _upstream_headers(request, request_id)
+        headers = _upstream_headers(request_id, self._authorization(request))
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -82,6 +84,7 @@ class Forwarder:
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
+            request[ANSWERED_BY] = instance_id
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
                                                arrived)
@@ -148,13 +151,11 @@ async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
     return text[:limit].decode("utf-8", "replace") if text else "(no body)"
 
 
-def _upstream_headers(request: web.Request, request_id: str) -> str:
-    """The request's header lines for the engine: fixed ones, the request id and the passed ones."""
+def _upstream_headers(request_id: str, authorization: str | None) -> str:
+    """The request's header lines for the engine: fixed ones, the request id and the authorization."""
     lines = [_FIXED_HEADERS, _header_line(REQUEST_ID_HEADER, request_id)]
-    for name in _PASSED_HEADERS:
-        value = request.headers.get(name)
-        if value is not None:
-            lines.append(_header_line(name, value))
+    if authorization is not None:
+        lines.append(_header_line("Authorization", authorization))
     return "".join(lines)
 
 

@@ -18,12 +18,16 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
+from kvgate.gateway.request_notes import STREAMING_RESPONSE
 from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
 UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
+# Set on a request whose stream the engine broke after the first byte: it went out as 200, but
+# the metrics and the outlier detector must count it as the failure it was.
+STREAM_BROKEN = web.RequestKey("stream_broken", str)
 
 
 class RetryableFailure(Exception):
@@ -61,6 +65,7 @@ async def relay_stream(
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
+            request[STREAM_BROKEN] = describe(exc)
             await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
             return response
         if not chunk:
@@ -72,6 +77,7 @@ async def relay_stream(
                          REQUEST_ID_HEADER: request_id}
             )
             await response.prepare(request)
+            request[STREAMING_RESPONSE] = response
         pending += chunk
         cut = _events_end(pending)
         if cut:
@@ -101,8 +107,10 @@ async def _write(response: web.StreamResponse, data: bytes) -> bool:
     return True
 
 
-async def end_with_error(response: web.StreamResponse, message: str) -> None:
-    event = b"data: " + orjson.dumps(error_payload(502, message, code="upstream_stream_error")) + b"\n\n"
+async def end_with_error(
+    response: web.StreamResponse, message: str, status: int = 502, code: str = "upstream_stream_error"
+) -> None:
+    event = b"data: " + orjson.dumps(error_payload(status, message, code=code)) + b"\n\n"
     if await _write(response, event + SSE_DONE):
         await response.write_eof()
 

@@ -16,6 +16,8 @@ from aiohttp import web
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.app import build_app
+from kvgate.gateway.drain import DRAIN, DrainReport
+from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
 
 if TYPE_CHECKING:
@@ -40,6 +42,11 @@ class GatewayHandle:
     async def close(self) -> None:
         await self.runner.cleanup()
 
+    async def drain(self, grace_s: float) -> DrainReport:
+        """Stop accepting and let requests in flight finish for `grace_s`, then end the rest
+        (gateway/drain.py); `close()` follows."""
+        return await self.app[DRAIN].drain(self.runner, grace_s)
+
 
 async def start_gateway(
     settings: Settings,
@@ -52,7 +59,9 @@ async def start_gateway(
     A worker of several (`shared`) binds the port beside its peers (SO_REUSEPORT)."""
     app = build_app(settings, kvs_index=kvs_index, tokenizer=tokenizer, shared=shared)
     # Handler cancellation: a client hang-up cancels its handler, which closes the upstream call.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout is also the header-read timeout (gateway/client_timeout.py).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=settings.client_request_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_port=shared is not None)
     try:
@@ -71,8 +80,8 @@ def run_gateway(
     shared: WorkerShare | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; uvloop when installed. A worker passes its `shared` parts and
-    is told `on_ready` once it listens."""
+    """Serve until SIGINT/SIGTERM, then drain (--shutdown-grace-s); uvloop when installed. A worker
+    passes its `shared` parts and is told `on_ready` once it listens."""
     serve = _serve_forever(settings, tokenizer, shared, on_ready)
     try:
         import uvloop
@@ -111,6 +120,12 @@ async def _serve_forever(
         print(f"kvgate gateway listening on {handle.url}", flush=True)
     try:
         await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, handle.app[DRAIN].hurry)
+        report = await handle.drain(settings.shutdown_grace_s)
+        log.info("drained: %d request(s) finished, %d ended by the drain; in-flight account entries left: %d",
+                 report.finished, report.cut, handle.app[GATEWAY].account.total_inflight())
     finally:
         await handle.close()
     return 0

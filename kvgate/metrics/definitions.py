@@ -135,3 +135,24 @@ def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
         failures=Counter("kvgate_account_sync_failures", "Account sync rounds that failed (store down or slow).",
                          registry=registry),
     )
+
+
+# --- client API keys (gateway/auth.py) ---
+@dataclass(frozen=True)
+class ClientKeyMetrics:
+    requests: Counter  # key (the key's name, never the key), outcome: accepted | rate_limited | inflight_limited
+    unauthorized: Counter
+
+
+def client_key_metrics(registry: CollectorRegistry) -> ClientKeyMetrics:
+    return ClientKeyMetrics(
+        requests=Counter(
+            "kvgate_api_key_requests",
+            "Requests to /v1/* by API key name and outcome: accepted, rate_limited, inflight_limited.",
+            ["key", "outcome"], registry=registry,
+        ),
+        unauthorized=Counter(
+            "kvgate_api_key_unauthorized", "Requests to /v1/* refused with 401 (no key or an unknown key).",
+            registry=registry,
+        ),
+    )

@@ -29,7 +29,8 @@ from kvgate.workers.worker import WorkerSpec, run_worker
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 180.0  # loading a tokenizer on a busy machine takes seconds
-_STOP_TIMEOUT_S = 60.0
+# Beyond --shutdown-grace-s, for the drain's own end and the process's exit.
+_STOP_MARGIN_S = 30.0
 
 
 def available_cores() -> int:
@@ -71,6 +72,7 @@ class Supervisor:
         self._log_level = log_level
         self._processes: list[BaseProcess] = []
         self._stopping = False
+        self._stop_timeout_s = settings.shutdown_grace_s + _STOP_MARGIN_S
 
     @property
     def url(self) -> str:
@@ -135,21 +137,25 @@ class Supervisor:
             multiprocess.mark_process_dead(process.pid, str(self._metrics_dir))
 
     def _stop(self, signum: int, _frame: object) -> None:
+        """Every SIGTERM/SIGINT goes to every worker: the first starts their drain, a second ends its
+        grace period at once, as for a single-process gateway."""
         self._stopping = True
+        self._signal_workers()
+
+    def _signal_workers(self) -> None:
         for process in self._processes:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGTERM)
 
     def _shutdown(self) -> None:
-        self._stopping = True
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
-        for process in self._processes:
-            if process.is_alive() and process.pid is not None:
-                os.kill(process.pid, signal.SIGTERM)
+        if not self._stopping:  # leaving on an error: the workers have not been told yet
+            self._stopping = True
+            self._signal_workers()
+        deadline = time.monotonic() + self._stop_timeout_s
         for process in self._processes:
             process.join(max(deadline - time.monotonic(), 0.1))
             if process.is_alive():
-                log.error("worker %s did not stop in %.0fs; killing it", process.name, _STOP_TIMEOUT_S)
+                log.error("worker %s did not stop in %.0fs; killing it", process.name, self._stop_timeout_s)
                 process.kill()
                 process.join()
         self._port_holder.close()

@@ -60,6 +60,10 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
     from kvgate.gateway.server import run_gateway
     from kvgate.gateway.tokenizer import load_tokenizer
 
+    if settings.access_log:
+        from kvgate.gateway.access_log import configure_logger
+
+        configure_logger()
     tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
     table = SharedTable.attach(spec.table_path, spec.lock_path)
     share = WorkerShare(spec, table, SharedRows(table, writer=spec.index, leader=spec.index == 0))
