@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "account-sync": "kvgate.bench.account_sync",
     "decision": "kvgate.bench.decision",
+    "hot-path": "kvgate.bench.hot_path",
     "kvs": "kvgate.bench.kvs_query",
     "overhead": "kvgate.bench.overhead",
     "replay": "kvgate.bench.replay",
