@@ -124,3 +124,35 @@ def test_a_full_table_refuses_the_instance(table, tmp_path):
     registry.add(instance("d"))
     with pytest.raises(RegistryError, match="workers-max-instances"):
         registry.add(instance("e"))
+
+
+def test_readers_never_see_a_half_written_table(table, tmp_path):
+    """A writer keeps adding and removing an instance with a long configuration while a reader
+    reads the table: every snapshot is whole (a and b always, c either whole or absent)."""
+    import threading
+
+    writer_view = SharedTable.attach(table.path, str(tmp_path / "lock"))
+    reader_view = SharedTable.attach(table.path, str(tmp_path / "lock"))
+    long_config = InstanceConfig(id="c", url="http://127.0.0.1:9/c", model="m",
+                                 kvs_endpoints=tuple(f"127.0.1.{n}" for n in range(60)))
+    stop = threading.Event()
+
+    def churn() -> None:
+        for _ in range(300):
+            with writer_view.changing():
+                writer_view.add(long_config)
+            with writer_view.changing():
+                writer_view.remove(writer_view.find("c").slot)
+        stop.set()
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    snapshots = 0
+    while not stop.is_set() or snapshots == 0:
+        _, entries = reader_view.entries()
+        ids = [entry.config.id for entry in entries]
+        assert ids[:2] == ["a", "b"] and ids[2:] in ([], ["c"])
+        if ids[2:]:
+            assert entries[2].config == long_config
+        snapshots += 1
+    thread.join()

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import mmap
+import os
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ _SLOT_WORDS = 3 + CONFIG_BYTES // _WORD
 _COUNT_WORDS = 4
 _ENGINE_WORDS = 5
 _ENGINE = struct.Struct("qdqqd")
+_READ_TIMEOUT_S = 5.0
 # Slot flags.
 USED, DRAINING, EJECTED = 1, 2, 4
 
@@ -69,6 +72,8 @@ class SharedTable:
         self._engine_at = self._counts_at + self.capacity * self.writers * _COUNT_WORDS
         # One unpack per read on the request path: a memoryview index per word costs 3x more.
         self._slot_counts = struct.Struct(f"{self.writers * _COUNT_WORDS}q")
+        # Parsed configurations by generation: a health transition re-reads the table, not the JSON.
+        self._configs: dict[int, InstanceConfig] = {}
         # instance id -> (slot, generation), rebuilt when the epoch moves.
         self._index: dict[str, tuple[int, int]] = {}
         self._index_epoch = -1
@@ -101,13 +106,22 @@ class SharedTable:
 
     def entries(self) -> tuple[int, list[SlotEntry]]:
         """(epoch, used slots in the order they were filled): a consistent snapshot."""
-        for _ in range(1000):
+        # A writer holds the odd epoch for microseconds, unless it is descheduled meanwhile.
+        deadline = time.monotonic() + _READ_TIMEOUT_S
+        while time.monotonic() < deadline:
             before = self._q[0]
             if before % 2 == 0:
-                found = [self._read_slot(slot) for slot in range(self.capacity) if self._q[self._slot(slot) + 1] & USED]
-                if self._q[0] == before:
+                parsed: dict[int, InstanceConfig] = {}
+                try:
+                    found = [self._read_slot(slot, parsed) for slot in range(self.capacity)
+                             if self._q[self._slot(slot) + 1] & USED]
+                except ValueError:  # a slot read while being rewritten: its JSON is torn
+                    found = None
+                if found is not None and self._q[0] == before:
+                    self._remember(parsed)
                     found.sort(key=lambda entry: entry.generation)
                     return before, found
+            os.sched_yield()
         raise RuntimeError("the shared instance table kept changing while being read")
 
     def lookup(self, instance_id: str) -> tuple[int, int] | None:
@@ -174,11 +188,23 @@ class SharedTable:
     def _slot(self, slot: int) -> int:
         return self._slots_at + slot * _SLOT_WORDS
 
-    def _read_slot(self, slot: int) -> SlotEntry:
+    def _read_slot(self, slot: int, parsed: dict[int, InstanceConfig] | None = None) -> SlotEntry:
+        """The slot's entry; a configuration not parsed before goes to `parsed`, which the caller
+        remembers only once it knows the read was not torn."""
         base = self._slot(slot)
-        start = (base + 3) * _WORD
-        config = InstanceConfig.model_validate_json(self._map[start : start + self._q[base + 2]])
-        return SlotEntry(slot, self._q[base], self._q[base + 1], config)
+        generation = self._q[base]
+        config = self._configs.get(generation)
+        if config is None:
+            start = (base + 3) * _WORD
+            config = InstanceConfig.model_validate_json(self._map[start : start + self._q[base + 2]])
+            if parsed is not None:
+                parsed[generation] = config
+        return SlotEntry(slot, generation, self._q[base + 1], config)
+
+    def _remember(self, parsed: dict[int, InstanceConfig]) -> None:
+        if len(self._configs) + len(parsed) > 2 * self.capacity:  # removed instances' entries
+            self._configs.clear()
+        self._configs.update(parsed)
 
     # --- account rows ---
 
