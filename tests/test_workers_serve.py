@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -146,3 +147,16 @@ async def models_by_worker(url: str) -> dict[str, list[str]]:
         if len(served) == 2:
             return served
     raise AssertionError("only one worker answered")
+
+
+def test_a_taken_port_is_a_clear_error(tmp_path):
+    """Even a listener with SO_REUSEPORT (another gateway's workers) is not joined by accident."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--workers", "2", "--port", str(port)],
+                                capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr

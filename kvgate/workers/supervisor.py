@@ -16,10 +16,12 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 from kvgate.config.settings import Settings
@@ -42,16 +44,28 @@ def available_cores() -> int:
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """A bound, non-listening SO_REUSEPORT socket: it holds the port while workers come and go."""
+    """A bound, non-listening SO_REUSEPORT socket: it holds the port while workers come and go.
+
+    The port is first bound without SO_REUSEPORT, which fails if anything holds it, another
+    gateway with SO_REUSEPORT included: two gateways must never share a port by accident.
+    """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
 class Supervisor:
     def __init__(self, settings: Settings, workers: int, log_level: str) -> None:
+        self._port_holder = reserve_port(settings.host, settings.port)  # first: the likeliest to fail
         # In a tmpfs when there is one: the table and the metric files are memory, never disk I/O.
         shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._run_dir = Path(tempfile.mkdtemp(prefix="kvgate-workers-", dir=shm_dir))
@@ -59,7 +73,6 @@ class Supervisor:
         self._metrics_dir.mkdir()
         # prometheus-client picks its multiprocess storage when imported: the workers inherit this.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(self._metrics_dir)
-        self._port_holder = reserve_port(settings.host, settings.port)
         self._settings = settings.model_copy(update={"port": self._port_holder.getsockname()[1]})
         # Rows 0..N-1 are the workers', row N the other replicas' sums (written by worker 0).
         self._table = SharedTable.create(str(self._run_dir / "table"), settings.workers_max_instances, workers + 1,
@@ -92,7 +105,7 @@ class Supervisor:
         finally:
             self._shutdown()
 
-    def _spawn(self, index: int) -> tuple[BaseProcess, object]:
+    def _spawn(self, index: int) -> tuple[BaseProcess, Event]:
         spec = WorkerSpec(index, self._table.path, str(self._run_dir / "lock"), str(self._metrics_dir),
                           self._log_level)
         ready = self._context.Event()
@@ -106,7 +119,7 @@ class Supervisor:
         self._processes = [process for process, _ in started]
         deadline = time.monotonic() + _START_TIMEOUT_S
         for process, ready in started:
-            while not ready.wait(0.2):  # type: ignore[attr-defined]
+            while not ready.wait(0.2):
                 if self._stopping:  # asked to stop while starting: a clean stop
                     return True
                 if not process.is_alive() or time.monotonic() > deadline:
@@ -164,4 +177,10 @@ class Supervisor:
 
 
 def run_workers(settings: Settings, workers: int, log_level: str) -> int:
-    return Supervisor(settings, workers, log_level).run()
+    try:
+        supervisor = Supervisor(settings, workers, log_level)
+    except OSError as exc:  # the port is taken, or the host is not an address of this machine
+        print(f"kvgate serve: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    return supervisor.run()
