@@ -15,7 +15,7 @@ from kvgate.bench.routers.phases import gateway_stage_ms, serves_tokenize
 from kvgate.bench.routers.processes import Engine, cpu_split, kvgate_config, pinned
 from kvgate.bench.routers.report import added_latency_ms, plot, results_json, table_rows
 from kvgate.bench.routers.targets import DEFAULT_TARGETS, DIRECT, RoutersConfig, Target, TargetResult
-from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.config.settings import Settings
 
 WORKERS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 
@@ -86,7 +86,7 @@ def test_kvgate_config_is_valid_settings():
     engines = [Engine("http://127.0.0.1:9001", "127.0.0.2"), Engine("http://127.0.0.1:9002", "127.0.0.3")]
     config = kvgate_config("cache_aware", 8300, engines, "redis://127.0.0.1:6390/0", tokenizer="")
     settings = Settings.model_validate(config)
-    assert settings.effective_policy == DispatchPolicy.CACHE_AWARE
+    assert settings.effective_policy == "cache_aware"
     assert [i.kvs_endpoints for i in settings.instances] == [("127.0.0.2",), ("127.0.0.3",)]
     assert settings.kvs_redis_url == "redis://127.0.0.1:6390/0" and settings.host == "127.0.0.1"
     assert settings.workers == 1  # one process unless asked: the replay pins the router to its cores

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvgate.config.settings import DispatchPolicy, KVSBackendName
+from kvgate.config.settings import KVSBackendName
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
@@ -32,7 +32,7 @@ async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
 
 
 def cache_aware(upstreams, **overrides):
-    values = {"dispatch_policy": DispatchPolicy.CACHE_AWARE, "kvs_chunk_size": CHUNK,
+    values = {"dispatch_policy": "cache_aware", "kvs_chunk_size": CHUNK,
               "cache_aware_scheduling_min_tokens": CHUNK}
     values.update(overrides)
     settings = gateway_settings({u.name: u.url for u in upstreams}, MODEL, **values)
@@ -94,5 +94,21 @@ async def test_requests_still_route_when_the_kv_store_is_unreachable(upstreams):
             status, answer = await post(handle.url, "/v1/completions", body)
             assert status == 200 and answer["choices"][0]["text"]
         await assert_nothing_in_flight(handle)
+    finally:
+        await handle.close()
+
+
+async def test_debug_schedule_names_the_request_id(upstreams):
+    handle = await start_gateway(cache_aware(upstreams), kvs_index=EmbeddedKVSIndex(), tokenizer=tokenizer())
+    try:
+        body = {"model": MODEL, "prompt": LONG_PROMPT}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(handle.url + "/debug/schedule", json=body,
+                                    headers={"X-Request-Id": "trace-me-42"}) as response:
+                assert (await response.json())["request_id"] == "trace-me-42"
+                assert response.headers["X-Request-Id"] == "trace-me-42"
+            async with session.post(handle.url + "/debug/schedule", json=body) as response:
+                given = (await response.json())["request_id"]
+                assert len(given) == 32 and response.headers["X-Request-Id"] == given
     finally:
         await handle.close()

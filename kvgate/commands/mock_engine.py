@@ -95,6 +95,11 @@ def add_parser(subparsers) -> None:
         help="Mooncake HTTP metadata server URL",
     )
     parser.add_argument(
+        "--no-prompt-tokens-details",
+        action="store_true",
+        help="omit usage.prompt_tokens_details (cached tokens), as vLLM without --enable-prompt-tokens-details",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="validate the flags and configuration, print the result and exit"
     )
     parser.set_defaults(func=run)
@@ -119,6 +124,7 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
             profile=profile,
             max_model_len=args.max_model_len,
             settings=settings,
+            report_cached_tokens=not args.no_prompt_tokens_details,
         )
     except ValueError as exc:
         raise ConfigError(f"configuration error:\n  {exc}") from None

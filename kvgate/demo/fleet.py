@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.config.settings import DispatchPolicy, InstanceConfig, KVSBackendName, Settings
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.gateway.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
@@ -32,7 +32,7 @@ class FleetSpec:
         return f"127.0.0.{index + 2}"
 
 
-def gateway_settings(spec: FleetSpec, policy: DispatchPolicy, engine_urls: list[str]) -> Settings:
+def gateway_settings(spec: FleetSpec, policy: str, engine_urls: list[str]) -> Settings:
     """The engines' own hashing settings, plus the routing policy, instances and store address."""
     instances = tuple(
         InstanceConfig(id=f"engine-{i}", url=url, model=spec.engine.model, kvs_endpoints=(spec.engine_ip(i),))
@@ -74,7 +74,7 @@ async def _start_engine(spec: FleetSpec, index: int, embedded: EmbeddedKVSIndex 
 
 
 @contextlib.asynccontextmanager
-async def running_fleet(spec: FleetSpec, policy: DispatchPolicy, tokenizer: Any) -> AsyncIterator[str]:
+async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIterator[str]:
     """Fresh engines (empty caches) and a gateway routing with `policy`; yields the gateway's URL.
 
     `tokenizer` is a loaded Hugging Face tokenizer handed to the gateway (loaded once per demo).

@@ -20,7 +20,6 @@ from kvgate.config.api_keys import load_api_keys
 from kvgate.config.settings import DebugRoutes, Settings
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.account_sync import AccountSync
-from kvgate.gateway.admission import check_admission
 from kvgate.gateway.auth import ClientAuth
 from kvgate.gateway.background import every
 from kvgate.gateway.client_timeout import body_timeout_middleware
@@ -29,6 +28,7 @@ from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.health import HealthChecker
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
@@ -37,6 +37,7 @@ from kvgate.gateway.request_notes import MODEL, PLAN
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.metrics.definitions import (
@@ -44,7 +45,9 @@ from kvgate.metrics.definitions import (
     account_sync_metrics,
     client_key_metrics,
     gateway_metrics,
+    hit_metrics,
     kvs_metrics,
+    ttft_metrics,
 )
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.router import Scheduler
@@ -89,7 +92,8 @@ def build_app(
     )
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
-                      InflightTracker(account, metrics), tokenizer_service, kvs, planner, shared=shared)
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner,
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), shared=shared)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -136,7 +140,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
-    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics)
+    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
+                                  gateway.hits,
+                                  ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)))
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
@@ -189,11 +195,12 @@ async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) 
     parsed = parse(await request.read())
     request[MODEL] = parsed.model
     plan = request[PLAN] = await gateway.planner.plan(parsed)
-    try:
-        check_admission(plan, gateway.settings.ttft_slo_s, gateway.settings.prefill_tokens_per_s)
-    except APIError:
+    # The rejection filter; a prefill/decode split passes its decode instance's load here.
+    rejection = gateway.scheduler.judge(plan.decision, plan.candidates)
+    if rejection is not None:
         gateway.metrics.admission_rejections.inc()
-        raise
+        raise APIError(429, rejection.message, code=rejection.code,
+                       headers={"Retry-After": str(rejection.retry_after_s)})
     assert gateway.forwarder is not None, "the application has not started"
     return await gateway.forwarder.forward(request, parsed, plan, request[REQUEST_ID], arrived)
 

@@ -9,12 +9,15 @@ Rules, in the order a request meets them:
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
   connection is closed at once, which makes the engine abort the request.
 - Each attempt owns one account entry, released on every exit path (finally).
+- Each answer's usage report is compared with the prefix hit predicted at routing (hit_accounting.py);
+  a stream whose client did not ask for usage asks the engine for it (usage.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -22,6 +25,7 @@ from aiohttp import web
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
@@ -34,7 +38,9 @@ from kvgate.gateway.relay import (
 )
 from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
+from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
+from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
@@ -48,8 +54,12 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        hits: HitAccounting | None = None,
+        ttft_feedback: TTFTFeedback | None = None,
     ) -> None:
+        self._ttft_feedback = ttft_feedback
         self._upstream = upstream
+        self._hits = hits
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
@@ -64,7 +74,8 @@ class Forwarder:
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
-        payload = self._payload(parsed, plan)
+        compared = self._hits is not None and _comparable(parsed, plan)
+        payload, usage_asked = self._payload(parsed, plan, compared)
         headers = _upstream_headers(request_id, self._authorization(request))
 
         failures: list[str] = []
@@ -81,13 +92,18 @@ class Forwarder:
             if last_failed is not None:
                 self._metrics.forward_retries.labels(last_failed).inc()
             key = f"{request_id}#{next(self._sequence)}"
-            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
+            # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
+            prompts = len(parsed.batch) if parsed.batch is not None else 1
+            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
+            on_first_byte = (self._ttft_feedback.dispatched(plan, instance_id, parsed.max_tokens)
+                             if self._ttft_feedback is not None else None)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
+            tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
             request[ANSWERED_BY] = instance_id
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived)
+                                               arrived, tap, on_first_byte)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 last_failed = instance_id
@@ -95,15 +111,34 @@ class Forwarder:
             finally:
                 self._tracker.release(key)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            if tap is not None:
+                self._record_hit(parsed, plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
         raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
 
-    def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> bytes:
-        if self._forward_token_ids and parsed.prompt_text is not None:
-            return orjson.dumps({**parsed.body, "prompt": plan.prompt_ids})
-        return parsed.raw
+    def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
+        """The body for the engine, and whether it asks for usage the client did not ask for."""
+        changes: dict = {}
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
+            changes["prompt"] = plan.prompt_ids
+        options = stream_options_asking_usage(parsed) if compared else None
+        if options is not None:
+            changes["stream_options"] = options
+        if not changes:
+            return parsed.raw, False
+        return orjson.dumps({**parsed.body, **changes}), options is not None
+
+    def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
+                    request_id: str) -> None:
+        assert self._hits is not None
+        if tap.usage is None and not tap.answered:  # a relayed 4xx, a stream cut short: no word
+            return
+        score = plan.score(instance_id)
+        predicted = score.prefix_hit_tokens if score is not None else 0
+        found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
+        self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
 
     async def _attempt(
         self,
@@ -115,6 +150,8 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        tap: UsageTap | None,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         try:
             upstream = await self._upstream.post(url, path, headers, payload)
@@ -123,7 +160,8 @@ class Forwarder:
         try:
             if upstream.status >= 500:
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
-            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived))
+            return await relay_answer(request, upstream, request_id,
+                                      lambda: self._first_byte(key, arrived, on_first_byte), tap)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
@@ -131,14 +169,23 @@ class Forwarder:
             # closed, which also tells the engine to abort (client hang-up, failures).
             upstream.release()
 
-    def _first_byte(self, key: str, arrived: float) -> None:
+    def _first_byte(self, key: str, arrived: float, on_first_byte: Callable[[], None] | None) -> None:
         self._tracker.first_token(key)
+        if on_first_byte is not None:
+            on_first_byte()
         self._metrics.ttft_seconds.observe(time.perf_counter() - arrived)
 
     def _observe_hit_ratio(self, plan: RoutePlan, instance_id: str) -> None:
         score = plan.score(instance_id)
         if score is not None and plan.num_prompt_tokens:
             self._metrics.prefix_hit_ratio.observe(score.prefix_hit_tokens / plan.num_prompt_tokens)
+
+
+def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
+    """Whether the answer's usage can check the prediction: the store was asked, and the usage is of
+    that one prompt (a batch or n > 1 reports its prompts' or samples' sums). Other requests are
+    relayed untouched and unread."""
+    return plan.kvs_status == "ok" and parsed.batch is None and parsed.body.get("n") in (1, None)
 
 
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:

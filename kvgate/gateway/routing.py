@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.protocol import ParsedRequest
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
@@ -23,6 +24,7 @@ from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
+from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, Decision, InstanceScore
 
 # Hashing more tokens than this moves to the executor (sha256 over ~100K tokens takes milliseconds).
@@ -54,11 +56,9 @@ class RoutePlan:
         score = self.score(instance_id)
         return score.prefix_miss_tokens if score is not None else self.num_prompt_tokens
 
-    def queued_prefill_tokens(self, instance_id: str) -> int:
-        for candidate in self.candidates:
-            if candidate.id == instance_id:
-                return candidate.load.all_prefills_tokens_num
-        return 0
+    def prediction(self, instance_id: str) -> TTFTPrediction | None:
+        predictions = self.decision.predictions
+        return predictions[instance_id] if predictions is not None and instance_id in predictions else None
 
 
 class RoutePlanner:
@@ -98,13 +98,14 @@ class RoutePlanner:
         blocks = await self._block_hashes(prompt_ids) if wants_kvs or explain else []
         keys = self._scheduler.block_keys(blocks) if blocks else []
         locations: Sequence[Sequence[str]] | None = None
+        disk_locations: Sequence[Sequence[str]] | None = None
         kvs_status: LookupStatus = "skipped"
         kvs_elapsed = 0.0
         if keys and wants_kvs:
             lookup = await self._kvs.lookup(keys)
             kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
             if lookup.status == "ok":
-                locations = lookup.locations
+                locations, disk_locations = lookup.locations, lookup.disk_locations
             self._stage["kvs"].observe(kvs_elapsed)
 
         # Candidates are read after the lookup's await so the loads are as fresh as possible.
@@ -114,18 +115,27 @@ class RoutePlanner:
         )
         if not candidates:
             raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
-        decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates)
+        decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates,
+                                          disk_locations=disk_locations)
         schedule_s = time.perf_counter() - started - kvs_elapsed
         self._stage["schedule"].observe(max(schedule_s, 0.0))
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+        # A batched completion is routed on its first prompt, as one engine request. Splitting it
+        # would send prompts that usually share a long prefix (few-shot headers, evaluation
+        # templates) to different instances, losing the engine's reuse of that prefix inside the
+        # batch; and it would make the gateway assemble choice indexes, usage and interleaved
+        # stream chunks, and own partial failures, that the engine already handles as one request.
+        # The first prompt's prefix hit stands for the batch's; the account counts its miss once
+        # per prompt (forwarder.py).
         if request.prompt_ids is not None:
             return request.prompt_ids
         try:
+            special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "")
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", special)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
 

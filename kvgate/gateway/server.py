@@ -113,7 +113,7 @@ async def _serve_forever(
     handle = await start_gateway(settings, tokenizer=tokenizer, shared=shared)
     tune_gc()
     log.info("kvgate gateway listening on %s with %d instance(s), policy %s, event loop %s",
-             handle.url, len(settings.instances), settings.effective_policy.value, type(loop).__module__)
+             handle.url, len(settings.instances), settings.effective_policy, type(loop).__module__)
     if on_ready is not None:
         on_ready()
     else:  # with workers, the supervisor says it once for all of them

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.forwarder import Forwarder
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlanner
@@ -38,6 +39,7 @@ class Gateway:
     tokenizer: TokenizerService
     kvs: ResilientKVSClient
     planner: RoutePlanner
+    hits: HitAccounting
     started: int = field(default_factory=lambda: int(time.time()))
     # Set when the application starts (it needs the running loop's client session).
     forwarder: Forwarder | None = None

@@ -38,6 +38,37 @@ class GatewayMetrics:
     instance_healthy: Gauge  # instance
 
 
+# --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
+# Measured minus predicted TTFT, seconds: negative when the model was pessimistic.
+_ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, -0.05, -0.01, 0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True)
+class TTFTMetrics:
+    prediction_error_seconds: Histogram
+    calibration_factor: Gauge  # instance, term: compute | transfer
+    calibration_observations: Gauge  # instance
+
+
+def ttft_metrics(registry: CollectorRegistry) -> TTFTMetrics:
+    return TTFTMetrics(
+        prediction_error_seconds=Histogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Measured minus predicted TTFT (first byte minus dispatch) on the instance the request went to.",
+            buckets=_ERROR_BUCKETS, registry=registry,
+        ),
+        calibration_factor=Gauge(
+            "kvgate_ttft_calibration_factor",
+            "Per-instance factor the TTFT model applies to its profile's compute (queue + prefill) or transfer.",
+            ["instance", "term"], registry=registry,
+        ),
+        calibration_observations=Gauge(
+            "kvgate_ttft_calibration_observations", "Measured TTFTs the instance's calibration has used.",
+            ["instance"], registry=registry,
+        ),
+    )
+
+
 def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
     return KVSMetrics(
         query_seconds=Histogram(
@@ -96,7 +127,7 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
             ["instance"], registry=registry,
         ),
         admission_rejections=Counter(
-            "kvgate_admission_rejections", "Requests refused with 429 because the predicted TTFT misses the SLO.",
+            "kvgate_admission_rejections", "Requests refused with 429 because they are predicted to miss the TTFT or TBT SLO.",
             registry=registry,
         ),
         inflight_requests=Gauge(
@@ -154,5 +185,43 @@ def client_key_metrics(registry: CollectorRegistry) -> ClientKeyMetrics:
         unauthorized=Counter(
             "kvgate_api_key_unauthorized", "Requests to /v1/* refused with 401 (no key or an unknown key).",
             registry=registry,
+        ),
+    )
+
+
+# --- closed-loop hit accounting: predicted vs engine-reported cached tokens (gateway/hit_accounting.py) ---
+
+
+@dataclass(frozen=True)
+class HitMetrics:
+    predicted_tokens: Counter  # instance
+    reported_tokens: Counter  # instance
+    disagreement_tokens: Counter  # instance
+    comparisons: Counter  # instance, outcome: agree | engine_higher | gateway_higher | unreported
+
+
+def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
+    return HitMetrics(
+        predicted_tokens=Counter(
+            "kvgate_predicted_cached_tokens",
+            "Prompt tokens the store held on the instance when the gateway routed to it (its predicted "
+            "prefix hit), over answers whose engine reported cached tokens.",
+            ["instance"], registry=registry,
+        ),
+        reported_tokens=Counter(
+            "kvgate_reported_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens).",
+            ["instance"], registry=registry,
+        ),
+        disagreement_tokens=Counter(
+            "kvgate_cached_tokens_disagreement",
+            "Sum over answers of |reported - predicted| cached prompt tokens.",
+            ["instance"], registry=registry,
+        ),
+        comparisons=Counter(
+            "kvgate_hit_comparisons",
+            "Answers compared with their predicted prefix hit, by outcome: agree (within one chunk), "
+            "engine_higher, gateway_higher, unreported (no cached_tokens in the usage).",
+            ["instance", "outcome"], registry=registry,
         ),
     )

@@ -7,6 +7,7 @@ engine (aiohttp cancels the handler; its `finally` frees the slot).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,8 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
+from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError, error_middleware
-from kvgate.gateway.protocol import ParsedRequest, json_response
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_response
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
@@ -47,6 +49,8 @@ class MockEngineConfig:
     max_model_len: int = 0
     # Hash algorithm, chunk size (= block size), seed and key format: the gateway's, so keys match.
     settings: Settings = field(default_factory=Settings)
+    # usage.prompt_tokens_details.cached_tokens in answers, as vLLM with --enable-prompt-tokens-details.
+    report_cached_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.profile.block_size != self.settings.kvs_chunk_size:
@@ -152,40 +156,65 @@ class MockEngine:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         generation = parse_generation(await request.read(), chat, self.config.model)
-        token_ids = await self._prompt_token_ids(generation.parsed)
+        prompts = await self._prompts_token_ids(generation.parsed)
         max_tokens = generation.max_tokens
-        self._check_length(len(token_ids), max_tokens)
+        for token_ids in prompts:
+            self._check_length(len(token_ids), max_tokens)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        engine_request = EngineRequest(request_id, self._keyer.keys(token_ids), len(token_ids), max_tokens)
+        # As vLLM: one engine request per prompt of a batch; its n samples share the prompt's prefill.
+        engine_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            stream = self.loop.submit(engine_request)
-        except ValueError as exc:  # the prompt can never fit this engine's KV cache
-            raise APIError(400, str(exc), param="prompt") from None
-        try:
+            streams = []
+            for engine_id, token_ids in zip(engine_ids, prompts, strict=True):
+                request_blocks = self._keyer.keys(token_ids)
+                streams.append(self.loop.submit(EngineRequest(engine_id, request_blocks, len(token_ids), max_tokens)))
             shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
-            words = generated_words(self.config.seed, token_ids, max_tokens)
+            # Choice index = prompt index * n + sample index, as vLLM numbers a batch's choices.
+            words = [generated_words(self.config.seed + sample, token_ids, max_tokens)
+                     for token_ids in prompts for sample in range(generation.n)]
+            prompt_tokens = sum(len(token_ids) for token_ids in prompts)
             if generation.parsed.stream:
-                return await self._stream(request, stream, shape, words, len(token_ids), generation, arrived)
-            return await self._whole(stream, shape, words, len(token_ids), arrived)
+                return await self._stream(request, streams, shape, words, prompt_tokens, generation, arrived)
+            return await self._whole(streams, shape, words, prompt_tokens, generation.n, arrived)
+        except ValueError as exc:  # a prompt can never fit this engine's KV cache
+            raise APIError(400, str(exc), param="prompt") from None
         finally:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
-            self.loop.cancel(request_id)
+            for engine_id in engine_ids:
+                self.loop.cancel(engine_id)
+
+    async def _prompts_token_ids(self, parsed: ParsedRequest) -> list[Sequence[int]]:
+        """The token ids of every prompt: one, or each of a batched completion's."""
+        if parsed.batch is None:
+            return [await self._prompt_token_ids(parsed)]
+        if isinstance(parsed.batch[0], str):
+            special = add_special_tokens(parsed.body, chat=False)
+            return [await self._encode_text(text, special) for text in parsed.batch]  # type: ignore[arg-type]
+        return list(parsed.batch)  # type: ignore[arg-type]
 
     async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
         if parsed.prompt_ids is not None:
             return parsed.prompt_ids
+        special = add_special_tokens(parsed.body, parsed.chat)
+        if parsed.messages is None:
+            return await self._encode_text(parsed.prompt_text or "", special)
+        tokenizer = self._require_tokenizer()
+        try:
+            return await tokenizer.encode_chat(parsed.messages, chat_template_inputs(parsed.body), special)
+        except ValueError as exc:  # chat template errors: roles or content the template refuses
+            raise APIError(400, str(exc), param="messages") from None
+
+    async def _encode_text(self, text: str, add_special: bool) -> Sequence[int]:
+        return await self._require_tokenizer().encode_prompt(text, add_special)
+
+    def _require_tokenizer(self) -> TokenizerService:
         if self._tokenizer is None:
             raise APIError(
                 400,
                 "this engine was started without a tokenizer: send token ids as the prompt",
                 param="prompt",
             )
-        try:
-            if parsed.messages is not None:
-                return await self._tokenizer.encode_chat(parsed.messages)
-            return await self._tokenizer.encode_prompt(parsed.prompt_text or "")
-        except ValueError as exc:  # chat template errors: roles or content the template refuses
-            raise APIError(400, str(exc), param="messages" if parsed.chat else "prompt") from None
+        return self._tokenizer
 
     def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         limit = self.config.context_limit
@@ -215,9 +244,9 @@ class MockEngine:
     async def _stream(
         self,
         request: web.Request,
-        stream: RequestStream,
+        streams: list[RequestStream],
         shape: ResponseShape,
-        words: list[str],
+        words: list[list[str]],
         prompt_tokens: int,
         generation: GenerationRequest,
         arrived: float,
@@ -226,35 +255,48 @@ class MockEngine:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        opener = shape.first_chunk()
+        n = generation.n
 
-        async def send(start: int, count: int, finished: bool) -> None:
-            # As vLLM: the chat role chunk goes out with the first token, once prefill is done.
-            if start == 0 and opener is not None:
-                await response.write(sse(opener))
-            text = "".join(words[start : start + count])
-            await response.write(sse(shape.text_chunk(text, "length" if finished else None)))
+        def sender(prompt_index: int) -> Callable[[int, int, bool], Awaitable[None]]:
+            async def send(start: int, count: int, finished: bool) -> None:
+                for index in range(prompt_index * n, prompt_index * n + n):
+                    # As vLLM: the chat role chunk goes out with the first token, once prefill is done.
+                    opener = shape.first_chunk(index) if start == 0 else None
+                    if opener is not None:
+                        await response.write(sse(opener))
+                    text = "".join(words[index][start : start + count])
+                    await response.write(sse(shape.text_chunk(text, "length" if finished else None, index)))
 
-        cached = await self._events(stream, arrived, send)
+            return send
+
+        # The prompts of a batch progress together; their chunks interleave, each naming its choice.
+        cached = await asyncio.gather(*(self._events(stream, arrived, sender(i)) for i, stream in enumerate(streams)))
         if generation.include_usage:
-            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, len(words), cached))))
+            completion_tokens = sum(len(choice) for choice in words)
+            reported = sum(cached) if self.config.report_cached_tokens else None
+            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens, reported))))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
 
     async def _whole(
         self,
-        stream: RequestStream,
+        streams: list[RequestStream],
         shape: ResponseShape,
-        words: list[str],
+        words: list[list[str]],
         prompt_tokens: int,
+        n: int,
         arrived: float,
     ) -> web.Response:
         async def ignore(start: int, count: int, finished: bool) -> None:
             return None
 
-        cached = await self._events(stream, arrived, ignore)
-        return json_response(shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached)))
+        cached = await asyncio.gather(*(self._events(stream, arrived, ignore) for stream in streams))
+        completion_tokens = sum(len(choice) for choice in words)
+        reported = sum(cached) if self.config.report_cached_tokens else None
+        body = shape.whole(["".join(choice) for choice in words], "length",
+                           usage(prompt_tokens, completion_tokens, reported))
+        return json_response(body)
 
 
 @dataclass

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from kvgate.bench import peers
 from kvgate.bench.loadgen import ClosedLoopResult, ReplaySummary
-from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.config.settings import Settings
+from kvgate.scheduler.registry import POLICY_NAMES
 
 KVGATE = "kvgate"
 DIRECT = "direct"
@@ -44,7 +45,7 @@ class Target:
         if router not in (KVGATE, *peers.PEER_VERSIONS):
             raise ValueError(f"unknown router {router!r}; choose from {[KVGATE, *peers.PEER_VERSIONS, DIRECT]}")
         # kvgate takes any of its dispatch policies (e.g. kvgate:prefix); peers the two they share.
-        policies = [p.value for p in DispatchPolicy] if router == KVGATE else list(peers.PEER_POLICIES)
+        policies = list(POLICY_NAMES) if router == KVGATE else list(peers.PEER_POLICIES)
         if policy not in policies:
             raise ValueError(f"{text!r}: policy must be one of {policies}")
         return cls(router, policy, int(workers or 1))
