@@ -13,6 +13,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvgate.config.pd import check_pd_fleet
+
 
 class KVSBackendName(StrEnum):
     MOONCAKE = "mooncake"
@@ -31,6 +33,11 @@ class DispatchPolicy(StrEnum):
     LEAST_LOAD = "least_load"
     PREFIX = "prefix"
     CACHE_AWARE = "cache_aware"
+
+
+class PDProtocol(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
 
 
 class InstanceRole(StrEnum):
@@ -60,6 +67,11 @@ class InstanceConfig(BaseModel):
     role: InstanceRole = InstanceRole.NEUTRAL
     # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
     kvs_endpoints: tuple[str, ...] = ()
+    # --- prefill/decode disaggregation: a prefill instance's KV hand-off endpoint (docs/PD.md) ---
+    # SGLang: its --disaggregation-bootstrap-port (None: SGLang's default 8998). vLLM: set only for the
+    # Mooncake connector, whose bootstrap server kvgate names to the decode instance.
+    bootstrap_port: Annotated[int | None, Field(ge=1, le=65535)] = None
+    bootstrap_host: str = Field("", description="Host of the bootstrap server; empty: the URL's host.")
 
 
 class Settings(BaseModel):
@@ -149,6 +161,15 @@ class Settings(BaseModel):
         20000.0, gt=0, description="One instance's prefill throughput, for the TTFT prediction of --ttft-slo-s."
     )
 
+    # --- prefill/decode disaggregation (docs/PD.md) ---
+    pd_protocol: PDProtocol | None = Field(
+        None, description="KV hand-off between prefill and decode instances: sglang | vllm (unset: no PD)."
+    )
+    pd_skip_prefill_below_tokens: int = Field(
+        0, ge=0, description="Send a PD request straight to the decode instance when at most this many "
+        "prompt tokens are uncached there (vllm only); 0 disables.",
+    )
+
     instances: tuple[InstanceConfig, ...] = ()
 
     @field_validator("dispatch_metric_order", mode="before")
@@ -188,6 +209,11 @@ class Settings(BaseModel):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
         if duplicated:
             raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        return self
+
+    @model_validator(mode="after")
+    def _valid_pd_fleet(self) -> Settings:
+        check_pd_fleet(self.instances, self.pd_protocol, self.pd_skip_prefill_below_tokens)
         return self
 
     @property

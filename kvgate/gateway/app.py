@@ -35,6 +35,7 @@ from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
 from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 # How often stale dispatch entries are dropped from the account (its staleness is seconds) and
@@ -67,9 +68,11 @@ def build_app(
         if kvs_index is not None
         else make_kvs_client(settings, metrics=store_metrics)
     )
-    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
+    decode_ledger = DecodeLedger()
+    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics,
+                           decode_ledger=decode_ledger)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
-                      InflightTracker(account, metrics), tokenizer_service, kvs, planner)
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner, decode_ledger)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -94,7 +97,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
-    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics)
+    gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
+                                  gateway.decode_ledger)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))

@@ -7,12 +7,15 @@ account is not touched, so it is safe to call against a production gateway.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from aiohttp import web
 
 from kvgate.gateway.admission import predicted_ttft_s
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
+from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
 
 
@@ -32,6 +35,7 @@ async def _schedule(request: web.Request) -> web.Response:
     plan = await gateway.planner.plan(parsed, explain=True)
     rate = gateway.settings.prefill_tokens_per_s
     return json_response({
+        **_pd_fields(plan),
         "selected": plan.decision.selected,
         "ranking": list(plan.decision.ranking),
         "cache_aware": plan.decision.cache_aware,
@@ -51,3 +55,23 @@ async def _schedule(request: web.Request) -> web.Response:
             for score in plan.decision.scores
         ],
     })
+
+
+def _pd_fields(plan: RoutePlan) -> dict[str, Any]:
+    """A disaggregated request's two choices, each with its ranking and scores (docs/PD.md)."""
+    if plan.pd is None:
+        return {}
+    return {
+        "pd": True,
+        "skip_prefill": plan.pd.skip_prefill,
+        "decode_miss_tokens": plan.pd.decode_miss_tokens,
+        **{
+            half: {
+                "selected": decision.selected,
+                "ranking": list(decision.ranking),
+                "instances": [{"id": s.id, "prefix_hit_tokens": s.prefix_hit_tokens, "metrics": s.metrics}
+                              for s in decision.scores],
+            }
+            for half, decision in (("prefill", plan.pd.prefill), ("decode", plan.pd.decode))
+        },
+    }

@@ -9,19 +9,24 @@ Rules, in the order a request meets them:
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
   connection is closed at once, which makes the engine abort the request.
 - Each attempt owns one account entry, released on every exit path (finally).
+- A plan with a prefill/decode decision goes to pd_forward.py instead (a pair per try).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from kvgate.config.settings import Settings
+from kvgate.config.settings import PDProtocol, Settings
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.handoff import make_handoff
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.pd_forward import PDForwarder
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
@@ -34,6 +39,7 @@ from kvgate.gateway.relay import (
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.scheduler.decode import DecodeLedger
 
 # Client headers an engine may need (its own API key); everything else stays at the gateway.
 _PASSED_HEADERS = ("Authorization",)
@@ -48,6 +54,7 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._upstream = upstream
         self._registry = registry
@@ -57,13 +64,23 @@ class Forwarder:
         self._forward_token_ids = settings.forward_token_ids
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
+        self._pd = PDForwarder(
+            upstream,
+            make_handoff(settings.pd_protocol or PDProtocol.VLLM),
+            registry, tracker, decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, self._max_attempts, self.relay_from,
+        )
 
     async def forward(
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
+        headers = _upstream_headers(request, request_id)
+        if plan.pd is not None:
+            response = await self._pd.forward(request, parsed, plan, self._body(parsed, plan), headers, request_id,
+                                              arrived)
+            self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            return response
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         payload = self._payload(parsed, plan)
-        headers = _upstream_headers(request, request_id)
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -83,8 +100,8 @@ class Forwarder:
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
             try:
-                response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived)
+                response = await self.relay_from(request, key, state.config.url, path, payload, headers,
+                                                 request_id, arrived)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 last_failed = instance_id
@@ -99,10 +116,15 @@ class Forwarder:
 
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> bytes:
         if self._forward_token_ids and parsed.prompt_text is not None:
-            return orjson.dumps({**parsed.body, "prompt": plan.prompt_ids})
+            return orjson.dumps(self._body(parsed, plan))
         return parsed.raw
 
-    async def _attempt(
+    def _body(self, parsed: ParsedRequest, plan: RoutePlan) -> dict[str, Any]:
+        if self._forward_token_ids and parsed.prompt_text is not None:
+            return {**parsed.body, "prompt": plan.prompt_ids}
+        return parsed.body
+
+    async def relay_from(
         self,
         request: web.Request,
         key: str,
@@ -112,7 +134,9 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
+        """One instance's answer relayed to the client; `key`'s account entry sees its first byte."""
         try:
             upstream = await self._upstream.post(url, path, headers, payload)
         except UPSTREAM_ERRORS as exc:
@@ -120,7 +144,8 @@ class Forwarder:
         try:
             if upstream.status >= 500:
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
-            return await relay_answer(request, upstream, request_id, lambda: self._first_byte(key, arrived))
+            return await relay_answer(request, upstream, request_id,
+                                      lambda: self._first_byte(key, arrived, on_first_byte))
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
@@ -128,8 +153,10 @@ class Forwarder:
             # closed, which also tells the engine to abort (client hang-up, failures).
             upstream.release()
 
-    def _first_byte(self, key: str, arrived: float) -> None:
+    def _first_byte(self, key: str, arrived: float, also: Callable[[], None] | None = None) -> None:
         self._tracker.first_token(key)
+        if also is not None:
+            also()
         self._metrics.ttft_seconds.observe(time.perf_counter() - arrived)
 
     def _observe_hit_ratio(self, plan: RoutePlan, instance_id: str) -> None:

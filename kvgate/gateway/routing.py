@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvgate.config.settings import InstanceRole
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
@@ -21,6 +22,7 @@ from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.base import LookupStatus
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.decode import DecodeLedger, PDDecision
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.types import Candidate, Decision, InstanceScore
@@ -36,7 +38,10 @@ class RoutePlan:
     kvs_status: LookupStatus
     kvs_elapsed_s: float
     candidates: tuple[Candidate, ...]
+    # The whole-request decision, or the prefill half of a disaggregated one.
     decision: Decision
+    # Set when the request goes through prefill/decode disaggregation (docs/PD.md).
+    pd: PDDecision | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,6 +66,10 @@ class RoutePlan:
         return 0
 
 
+def split_by_role(candidates: Sequence[Candidate]) -> dict[InstanceRole, tuple[Candidate, ...]]:
+    return {role: tuple(c for c in candidates if c.role == role) for role in InstanceRole}
+
+
 class RoutePlanner:
     def __init__(
         self,
@@ -71,6 +80,7 @@ class RoutePlanner:
         account: LoadAccount,
         metrics: GatewayMetrics,
         executor: Executor | None = None,
+        decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._kvs = kvs
@@ -78,6 +88,7 @@ class RoutePlanner:
         self._registry = registry
         self._account = account
         self._executor = executor
+        self._decode_ledger = decode_ledger if decode_ledger is not None else DecodeLedger()
         self._stage = {stage: metrics.stage_seconds.labels(stage) for stage in ("tokenize", "kvs", "schedule")}
 
     async def plan(self, request: ParsedRequest, explain: bool = False) -> RoutePlan:
@@ -112,12 +123,22 @@ class RoutePlanner:
             Candidate(state.id, state.config.role, self._account.load(state.id))
             for state in self._registry.routable(request.model)
         )
-        if not candidates:
-            raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
-        decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates)
+        by_role = split_by_role(candidates)
+        pd: PDDecision | None = None
+        if by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
+            candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
+            pd = self._scheduler.decide_pd(len(prompt_ids), blocks, locations, by_role[InstanceRole.PREFILL],
+                                           by_role[InstanceRole.DECODE], self._decode_ledger.tokens)
+            decision = pd.prefill
+        else:
+            # Whole requests go to neutral instances only: a decode instance refuses them.
+            candidates = by_role[InstanceRole.NEUTRAL]
+            if not candidates:
+                raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
+            decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates)
         schedule_s = time.perf_counter() - started - kvs_elapsed
         self._stage["schedule"].observe(max(schedule_s, 0.0))
-        return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
+        return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
         if request.prompt_ids is not None:

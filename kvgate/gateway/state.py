@@ -17,6 +17,7 @@ from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 
@@ -34,6 +35,8 @@ class Gateway:
     tokenizer: TokenizerService
     kvs: ResilientKVSClient
     planner: RoutePlanner
+    # Predicted decode tokens per decode instance (prefill/decode disaggregation).
+    decode_ledger: DecodeLedger = field(default_factory=DecodeLedger)
     started: int = field(default_factory=lambda: int(time.time()))
     # Set when the application starts (it needs the running loop's client session).
     forwarder: Forwarder | None = None

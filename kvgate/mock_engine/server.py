@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -26,6 +28,7 @@ from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_words
 from kvgate.mock_engine.metrics import EngineMetrics
 from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation, parse_served
+from kvgate.mock_engine.pd import PDEngineRole, PDRole
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
 from kvgate.scheduler.key_formats import make_key_format
@@ -47,6 +50,8 @@ class MockEngineConfig:
     max_model_len: int = 0
     # Hash algorithm, chunk size (= block size), seed and key format: the gateway's, so keys match.
     settings: Settings = field(default_factory=Settings)
+    # A prefill or decode engine of a disaggregated fleet (mock_engine/pd.py); None: a whole engine.
+    pd: PDRole | None = None
 
     def __post_init__(self) -> None:
         if self.profile.block_size != self.settings.kvs_chunk_size:
@@ -80,8 +85,13 @@ class MockEngine:
         on_change = self.publication.on_cache_change if self.publication is not None else None
         self.core = EngineCore(config.profile, on_cache_change=on_change)
         self.loop = EngineLoop(self.core, config.time_scale)
-        self.metrics = EngineMetrics(config.model, self.core.stats)
+        self.metrics = EngineMetrics(config.model, self.core.stats,
+                                     flavour=config.pd.protocol if config.pd is not None else "vllm")
         self._created = int(time.time())
+        self.pd = PDEngineRole(config.pd, name, config.time_scale) if config.pd is not None else None
+        # The last bodies received, as sent: what a router really asked this engine.
+        self.received: deque[dict[str, Any]] = deque(maxlen=64)
+        self.url = ""  # set once the server is bound
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[error_middleware])
@@ -91,6 +101,8 @@ class MockEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
+        if self.pd is not None:
+            self.pd.add_routes(app)
         return app
 
     async def start(self) -> None:
@@ -100,6 +112,8 @@ class MockEngine:
 
     async def close(self) -> None:
         await self.loop.close()
+        if self.pd is not None:
+            await self.pd.close()
         if self.publication is not None:
             await self.publication.close()
 
@@ -152,11 +166,17 @@ class MockEngine:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         generation = parse_generation(await request.read(), chat, self.config.model)
+        body = generation.parsed.body
+        self.received.append(body)
         token_ids = await self._prompt_token_ids(generation.parsed)
         max_tokens = generation.max_tokens
         self._check_length(len(token_ids), max_tokens)
+        block_keys = self._keyer.keys(token_ids)
+        handle, answer_fields = await self._hand_off(body, token_ids, block_keys)
+        if handle is not None and self.config.pd is not None and self.config.pd.protocol == "sglang":
+            max_tokens = 1  # an SGLang prefill server computes the prompt and its first token only
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        engine_request = EngineRequest(request_id, self._keyer.keys(token_ids), len(token_ids), max_tokens)
+        engine_request = EngineRequest(request_id, block_keys, len(token_ids), max_tokens)
         try:
             stream = self.loop.submit(engine_request)
         except ValueError as exc:  # the prompt can never fit this engine's KV cache
@@ -165,11 +185,31 @@ class MockEngine:
             shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
             words = generated_words(self.config.seed, token_ids, max_tokens)
             if generation.parsed.stream:
-                return await self._stream(request, stream, shape, words, len(token_ids), generation, arrived)
-            return await self._whole(stream, shape, words, len(token_ids), arrived)
+                response = await self._stream(request, stream, shape, words, len(token_ids), generation, arrived)
+            else:
+                response = await self._whole(stream, shape, words, len(token_ids), arrived, answer_fields)
+            if handle is not None and self.pd is not None:
+                self.pd.offer(handle, block_keys, len(token_ids))
+            return response
         finally:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
             self.loop.cancel(request_id)
+
+    async def _hand_off(
+        self, body: dict[str, Any], token_ids: Sequence[int], block_keys: tuple[str, ...]
+    ) -> tuple[str | None, dict[str, Any]]:
+        """Prefill: (handle its blocks are offered under, fields for the answer). Decode: pulls
+        the prompt's blocks from the prefill engine into this engine's cache first."""
+        if self.pd is None:
+            return None, {}
+        if self.pd.role.role == "prefill":
+            return self.pd.prefill_handle(body, self.url)
+        received = await self.pd.receive(body, len(token_ids))
+        if received is not None:
+            if received != block_keys:
+                raise APIError(400, "decode instance: the KV received is not this prompt's")
+            self.core.cache.insert(received)
+        return None, {}
 
     async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
         if parsed.prompt_ids is not None:
@@ -249,12 +289,14 @@ class MockEngine:
         words: list[str],
         prompt_tokens: int,
         arrived: float,
+        answer_fields: dict[str, Any],
     ) -> web.Response:
         async def ignore(start: int, count: int, finished: bool) -> None:
             return None
 
         cached = await self._events(stream, arrived, ignore)
-        return json_response(shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached)))
+        whole = shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached))
+        return json_response({**whole, **answer_fields})
 
 
 @dataclass
@@ -296,4 +338,13 @@ async def start_mock_engine(
         await engine.close()
         raise
     bound_port = runner.addresses[0][1]
-    return MockEngineHandle(f"http://{host}:{bound_port}", engine, runner)
+    engine.url = f"http://{host}:{bound_port}"
+    if engine.config.pd is not None and engine.config.pd.bootstrap_port:
+        # The prefill engine's bootstrap server (SGLang, Mooncake connector): the same routes.
+        try:
+            await web.TCPSite(runner, host, engine.config.pd.bootstrap_port).start()
+        except OSError:
+            await runner.cleanup()
+            await engine.close()
+            raise
+    return MockEngineHandle(engine.url, engine, runner)

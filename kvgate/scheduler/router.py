@@ -5,9 +5,10 @@ from the settings. It holds no I/O and no load: callers ask the store and build 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.scheduler.decode import DecodeChooser, PDDecision
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
 from kvgate.scheduler.policies import make_policy
@@ -23,6 +24,7 @@ class Scheduler:
         self._key_format = make_key_format(settings)
         self.policy = make_policy(settings, rng)
         self.endpoint_map = EndpointMap.from_instances(instances)
+        self._decode = DecodeChooser()
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         s = self._settings
@@ -49,6 +51,29 @@ class Scheduler:
         if locations is not None and self.wants_kvs(num_prompt_tokens):
             hits = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
         return self.policy.select(RoutingRequest(num_prompt_tokens, hits), candidates)
+
+    def decide_pd(
+        self,
+        num_prompt_tokens: int,
+        blocks: Sequence[BlockHash],
+        locations: Sequence[Collection[str]] | None,
+        prefill_candidates: Sequence[Candidate],
+        decode_candidates: Sequence[Candidate],
+        predicted_decode_tokens: Mapping[str, int],
+    ) -> PDDecision:
+        """Both halves of a disaggregated request: the configured policy over the prefill instances,
+        decode load over the decode instances (scheduler/decode.py)."""
+        prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates)
+        decode = self._decode.choose(RoutingRequest(num_prompt_tokens), decode_candidates, predicted_decode_tokens)
+        # The decode instance prefills a skipped request itself: what it misses is what it computes.
+        decode_hit = 0
+        if locations is not None and decode.selected is not None:
+            decode_hit = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens).get(
+                decode.selected, 0)
+        miss = max(0, num_prompt_tokens - decode_hit)
+        threshold = self._settings.pd_skip_prefill_below_tokens
+        return PDDecision(prefill, decode, skip_prefill=bool(threshold) and miss <= threshold,
+                          decode_miss_tokens=miss)
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> None:
         """Instances added or removed at run time: their store endpoints change with them."""
