@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -45,6 +45,22 @@ class PDRole:
 class _Blocks:
     block_keys: tuple[str, ...]
     num_tokens: int
+    # Prompt tokens the prefill engine found in its own cache: the decode engine reports them as
+    # its answer's cached tokens, so usage tells what the prefill routing saved.
+    cached_tokens: int
+
+
+@dataclass
+class Exchange:
+    """One request's hand-off as the engine serves it."""
+
+    handle: str | None = None  # prefill: the blocks are offered under it once computed
+    answer_fields: dict[str, Any] = field(default_factory=dict)  # prefill: added to a whole answer
+    received: _Blocks | None = None  # decode: what came from the prefill engine
+    cached_tokens: int = 0  # set when the request finishes
+
+    def reported_cached_tokens(self) -> int:
+        return self.received.cached_tokens if self.received is not None else self.cached_tokens
 
 
 class KVOutbox:
@@ -97,41 +113,43 @@ class PDEngineRole:
         blocks = await self.outbox.take(request.match_info["handle"], PULL_WAIT_S)
         if blocks is None:
             raise APIError(404, f"no KV under handle {request.match_info['handle']!r}")
-        return json_response({"block_keys": list(blocks.block_keys), "num_tokens": blocks.num_tokens})
+        return json_response({"block_keys": list(blocks.block_keys), "num_tokens": blocks.num_tokens,
+                              "cached_tokens": blocks.cached_tokens})
 
     # --- prefill side ---
 
-    def prefill_handle(self, body: dict[str, Any], engine_url: str) -> tuple[str | None, dict[str, Any]]:
-        """(handle to offer the blocks under, fields to add to the answer) for a prefill request."""
+    def prefill_exchange(self, body: dict[str, Any], engine_url: str) -> Exchange:
+        """The handle a prefill request's blocks are offered under, and the fields of its answer."""
         if self.role.protocol == "sglang":
             room = body.get("bootstrap_room")
             if not isinstance(room, int) or isinstance(room, bool):
                 raise APIError(400, "prefill instance: the request carries no bootstrap_room", param="bootstrap_room")
-            return f"room-{room}", {}
+            return Exchange(handle=f"room-{room}")
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict) or params.get("do_remote_decode") is not True:
             raise APIError(400, "prefill instance: kv_transfer_params must ask for do_remote_decode",
                            param="kv_transfer_params")
         if isinstance(params.get("transfer_id"), str):  # Mooncake: the router named the transfer
-            return params["transfer_id"], {}
+            return Exchange(handle=params["transfer_id"])
         block_id = next(self._block_ids)
         host, _, port = engine_url.removeprefix("http://").rpartition(":")
         # NIXL's answer shape: where the decode engine reads the blocks from.
-        return f"nixl-{block_id}", {"kv_transfer_params": {
+        return Exchange(handle=f"nixl-{block_id}", answer_fields={"kv_transfer_params": {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self._engine_id,
             "remote_block_ids": [block_id], "remote_host": host, "remote_port": int(port), "tp_size": 1,
-        }}
+        }})
 
-    def offer(self, handle: str, block_keys: tuple[str, ...], num_tokens: int) -> None:
-        self.outbox.offer(handle, _Blocks(block_keys, num_tokens))
+    def offer(self, exchange: Exchange, block_keys: tuple[str, ...], num_tokens: int) -> None:
+        if exchange.handle is not None:
+            self.outbox.offer(exchange.handle, _Blocks(block_keys, num_tokens, exchange.cached_tokens))
 
     # --- decode side ---
 
-    async def receive(self, body: dict[str, Any], num_prompt_tokens: int) -> tuple[str, ...] | None:
-        """The prompt's blocks pulled from the prefill engine (None: compute the prompt here)."""
+    async def receive(self, body: dict[str, Any], num_prompt_tokens: int) -> Exchange:
+        """The prompt's blocks pulled from the prefill engine (none: compute the prompt here)."""
         url = self._source(body)
         if url is None:
-            return None
+            return Exchange()
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PULL_WAIT_S + 5))
         try:
@@ -146,7 +164,7 @@ class PDEngineRole:
                            f"the prompt has {num_prompt_tokens}")
         # The transfer itself: modelled time for the prompt's KV over the interconnect.
         await asyncio.sleep(num_prompt_tokens / self.role.kv_transfer_tokens_per_s * self._time_scale)
-        return tuple(pulled["block_keys"])
+        return Exchange(received=_Blocks(tuple(pulled["block_keys"]), num_prompt_tokens, pulled["cached_tokens"]))
 
     def _source(self, body: dict[str, Any]) -> str | None:
         if self.role.protocol == "sglang":

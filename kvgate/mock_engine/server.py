@@ -28,7 +28,7 @@ from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_words
 from kvgate.mock_engine.metrics import EngineMetrics
 from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation, parse_served
-from kvgate.mock_engine.pd import PDEngineRole, PDRole
+from kvgate.mock_engine.pd import Exchange, PDEngineRole, PDRole
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
 from kvgate.scheduler.key_formats import make_key_format
@@ -172,8 +172,8 @@ class MockEngine:
         max_tokens = generation.max_tokens
         self._check_length(len(token_ids), max_tokens)
         block_keys = self._keyer.keys(token_ids)
-        handle, answer_fields = await self._hand_off(body, token_ids, block_keys)
-        if handle is not None and self.config.pd is not None and self.config.pd.protocol == "sglang":
+        exchange = await self._hand_off(body, token_ids, block_keys)
+        if exchange.handle is not None and self.config.pd is not None and self.config.pd.protocol == "sglang":
             max_tokens = 1  # an SGLang prefill server computes the prompt and its first token only
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         engine_request = EngineRequest(request_id, block_keys, len(token_ids), max_tokens)
@@ -185,11 +185,12 @@ class MockEngine:
             shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
             words = generated_words(self.config.seed, token_ids, max_tokens)
             if generation.parsed.stream:
-                response = await self._stream(request, stream, shape, words, len(token_ids), generation, arrived)
+                response = await self._stream(request, stream, shape, words, len(token_ids), generation, arrived,
+                                              exchange)
             else:
-                response = await self._whole(stream, shape, words, len(token_ids), arrived, answer_fields)
-            if handle is not None and self.pd is not None:
-                self.pd.offer(handle, block_keys, len(token_ids))
+                response = await self._whole(stream, shape, words, len(token_ids), arrived, exchange)
+            if self.pd is not None:
+                self.pd.offer(exchange, block_keys, len(token_ids))
             return response
         finally:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
@@ -197,19 +198,19 @@ class MockEngine:
 
     async def _hand_off(
         self, body: dict[str, Any], token_ids: Sequence[int], block_keys: tuple[str, ...]
-    ) -> tuple[str | None, dict[str, Any]]:
-        """Prefill: (handle its blocks are offered under, fields for the answer). Decode: pulls
-        the prompt's blocks from the prefill engine into this engine's cache first."""
+    ) -> Exchange:
+        """Prefill: where its blocks will be offered. Decode: pulls the prompt's blocks from the
+        prefill engine into this engine's cache first."""
         if self.pd is None:
-            return None, {}
+            return Exchange()
         if self.pd.role.role == "prefill":
-            return self.pd.prefill_handle(body, self.url)
-        received = await self.pd.receive(body, len(token_ids))
-        if received is not None:
-            if received != block_keys:
+            return self.pd.prefill_exchange(body, self.url)
+        exchange = await self.pd.receive(body, len(token_ids))
+        if exchange.received is not None:
+            if exchange.received.block_keys != block_keys:
                 raise APIError(400, "decode instance: the KV received is not this prompt's")
-            self.core.cache.insert(received)
-        return None, {}
+            self.core.cache.insert(block_keys)
+        return exchange
 
     async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
         if parsed.prompt_ids is not None:
@@ -261,6 +262,7 @@ class MockEngine:
         prompt_tokens: int,
         generation: GenerationRequest,
         arrived: float,
+        exchange: Exchange,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -275,9 +277,10 @@ class MockEngine:
             text = "".join(words[start : start + count])
             await response.write(sse(shape.text_chunk(text, "length" if finished else None)))
 
-        cached = await self._events(stream, arrived, send)
+        exchange.cached_tokens = await self._events(stream, arrived, send)
         if generation.include_usage:
-            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, len(words), cached))))
+            await response.write(sse(shape.usage_chunk(
+                usage(prompt_tokens, len(words), exchange.reported_cached_tokens()))))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
@@ -289,14 +292,15 @@ class MockEngine:
         words: list[str],
         prompt_tokens: int,
         arrived: float,
-        answer_fields: dict[str, Any],
+        exchange: Exchange,
     ) -> web.Response:
         async def ignore(start: int, count: int, finished: bool) -> None:
             return None
 
-        cached = await self._events(stream, arrived, ignore)
-        whole = shape.whole("".join(words), "length", usage(prompt_tokens, len(words), cached))
-        return json_response({**whole, **answer_fields})
+        exchange.cached_tokens = await self._events(stream, arrived, ignore)
+        whole = shape.whole("".join(words), "length",
+                            usage(prompt_tokens, len(words), exchange.reported_cached_tokens()))
+        return json_response({**whole, **exchange.answer_fields})
 
 
 @dataclass
