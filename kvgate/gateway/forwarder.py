@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvgate.config.settings import PDProtocol, Settings
+from kvgate.config.settings import Settings
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.handoff import make_handoff
 from kvgate.gateway.inflight import InflightTracker
@@ -64,17 +64,18 @@ class Forwarder:
         self._forward_token_ids = settings.forward_token_ids
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
+        # Only a gateway with a pd_protocol plans disaggregated requests (gateway/routing.py).
         self._pd = PDForwarder(
-            upstream,
-            make_handoff(settings.pd_protocol or PDProtocol.VLLM),
-            registry, tracker, decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, self._max_attempts, self.relay_from,
-        )
+            upstream, make_handoff(settings.pd_protocol), registry, tracker,
+            decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, self._max_attempts,
+            self.relay_from,
+        ) if settings.pd_protocol is not None else None
 
     async def forward(
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
         headers = _upstream_headers(request, request_id)
-        if plan.pd is not None:
+        if plan.pd is not None and self._pd is not None:
             response = await self._pd.forward(request, parsed, plan, self._body(parsed, plan), headers, request_id,
                                               arrived)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)

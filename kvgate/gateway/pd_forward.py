@@ -91,11 +91,12 @@ class PDForwarder:
         decode = next(decodes, None)
         max_tokens = _max_tokens(body)
         failures: list[str] = []
+        last_failed = ""
         for attempt in range(self._max_attempts):
             if decode is None or (prefill is None and not pd.skip_prefill):
                 break
             if attempt:
-                self._metrics.forward_retries.labels(failures[-1].split(":", 1)[0]).inc()
+                self._metrics.forward_retries.labels(last_failed).inc()
             key = f"{request_id}#pd{next(self._sequence)}"
             decode_key = key + "/decode"
             decode_tokens = pd.decode_miss_tokens if prefill is None else 0
@@ -109,8 +110,8 @@ class PDForwarder:
                 return await self._pair(request, key, plan, prefill, decode, path, body, headers, request_id,
                                         arrived)
             except PairFailure as failure:
-                failed = prefill.id if failure.side == "prefill" and prefill else decode.id
-                failures.append(f"{failed}: {failure}")
+                last_failed = prefill.id if failure.side == "prefill" and prefill else decode.id
+                failures.append(f"{last_failed}: {failure}")
                 if failure.side in ("prefill", "both") and prefill is not None:
                     prefill = next(prefills, None)
                 if failure.side in ("decode", "both"):

@@ -125,7 +125,7 @@ class RoutePlanner:
         )
         by_role = split_by_role(candidates)
         pd: PDDecision | None = None
-        if by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
+        if self._scheduler.pd_enabled and by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
             candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
             pd = self._scheduler.decide_pd(len(prompt_ids), blocks, locations, by_role[InstanceRole.PREFILL],
                                            by_role[InstanceRole.DECODE], self._decode_ledger.tokens)

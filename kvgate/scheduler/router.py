@@ -52,6 +52,11 @@ class Scheduler:
             hits = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
         return self.policy.select(RoutingRequest(num_prompt_tokens, hits), candidates)
 
+    @property
+    def pd_enabled(self) -> bool:
+        """Whether models with prefill and decode instances are served disaggregated."""
+        return self._settings.pd_protocol is not None
+
     def decide_pd(
         self,
         num_prompt_tokens: int,
