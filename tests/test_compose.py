@@ -201,6 +201,9 @@ def test_pd_profile_wiring_agrees_everywhere():
         roles.append(instance["role"])
     assert sorted(roles) == ["decode", "decode", "prefill", "prefill"]
     gateway = SERVICES["gateway-pd"]
+    # One variable switches the hand-off of engines and gateway together.
+    assert "--pd-protocol=${KVGATE_PD_PROTOCOL:-sglang}" in gateway["command"]
+    assert all("--pd-protocol=${KVGATE_PD_PROTOCOL:-sglang}" in SERVICES[name]["command"] for name in engines)
     assert gateway["profiles"] == ["pd"]
     assert gateway["ports"] == [f"127.0.0.1:{config['port']}:{config['port']}"]
     assert set(gateway["depends_on"]) == set(engines)

@@ -239,3 +239,26 @@ def test_bootstrap_fields_belong_to_prefill_instances():
         InstanceConfig(id="d", url="http://127.0.0.1:1", model=MODEL, role="decode", bootstrap_port=9) and Settings(
             pd_protocol="vllm", instances=[instance("p", "http://127.0.0.1:1", "prefill"),
                                            instance("d", "http://127.0.0.1:2", "decode", 9)])
+
+
+async def test_sglang_engines_export_sglang_metric_names():
+    handle = await engine("decode", "sglang")
+    try:
+        async with aiohttp.ClientSession() as session, session.get(handle.url + "/metrics") as answer:
+            text = await answer.text()
+        for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"):
+            assert f"\n{name}{{" in text
+        assert "vllm:num_requests_running" not in text
+    finally:
+        await handle.close()
+
+
+async def test_the_demo_runs_a_disaggregated_fleet():
+    from kvgate.config.settings import DispatchPolicy, PDProtocol
+    from kvgate.demo.fleet import FleetSpec, running_fleet
+
+    spec = FleetSpec(4, MockEngineConfig(time_scale=0.02), pd_protocol=PDProtocol.SGLANG)
+    assert [spec.role(i).value for i in range(4)] == ["prefill", "prefill", "decode", "decode"]
+    async with running_fleet(spec, DispatchPolicy.CACHE_AWARE, tokenizer()) as url:
+        answer = await client(url).completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=3)
+        assert len(answer.choices[0].text.split()) == 3
