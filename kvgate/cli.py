@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": "kvgate.commands.demo",
     "simulate": "kvgate.commands.simulate",
     "bench": "kvgate.commands.bench",
+    "plan": "kvgate.commands.plan",
 }
 
 

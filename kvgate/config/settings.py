@@ -46,6 +46,14 @@ class InstanceRole(StrEnum):
     DECODE = "decode"
 
 
+class PrfaasBandwidthMode(StrEnum):
+    """How a request's cached prefixes in the two clusters are weighed (Prefill-as-a-Service)."""
+
+    AUTO = "auto"  # abundant while the link is below --prfaas-abundant-below-utilisation, else scarce
+    SCARCE = "scarce"  # each cluster's cached prefix judged on its own; nothing shipped but the KV
+    ABUNDANT = "abundant"  # the longer cached prefix wherever it lies, shipped across when needed
+
+
 # Load metrics a user may put in --dispatch-metric-order (the cache metrics are added by the policy).
 LOAD_METRICS = (
     "all_prefills_tokens_num",
@@ -54,6 +62,10 @@ LOAD_METRICS = (
     "kv_cache_usage_ratio",
 )
 CACHE_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
+
+
+# The cluster an instance belongs to unless its config names another.
+LOCAL_CLUSTER = "local"
 
 
 class InstanceConfig(BaseModel):
@@ -72,6 +84,8 @@ class InstanceConfig(BaseModel):
     # Mooncake connector, whose bootstrap server kvgate names to the decode instance.
     bootstrap_port: Annotated[int | None, Field(ge=1, le=65535)] = None
     bootstrap_host: str = Field("", description="Host of the bootstrap server; empty: the URL's host.")
+    # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
+    cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
 
 
 class Settings(BaseModel):
@@ -170,7 +184,90 @@ class Settings(BaseModel):
         "prompt tokens are uncached there (vllm only); 0 disables.",
     )
 
+    # --- Prefill-as-a-Service: a remote prefill cluster for long prompts (docs/PLANNER.md) ---
+    prfaas_cluster: str = Field(
+        "", description="Cluster of prefill-only instances long prompts are prefilled in; empty = off."
+    )
+    prfaas_egress_gbps: float = Field(
+        0.0, ge=0, description="Bandwidth of the link from the PrfaaS cluster to the local cluster."
+    )
+    prfaas_kv_bytes_per_token: float = Field(
+        0.0, ge=0, description="KV cache bytes per prompt token (used when --prfaas-kv-size-mib is empty)."
+    )
+    prfaas_kv_size_mib: dict[int, float] = Field(
+        default_factory=dict,
+        description="KV cache per request by prompt length, e.g. '1024:190.8,8192:308.9' (MiB; "
+        "interpolated; hybrid-attention models carry a fixed state a per-token figure misses).",
+    )
+    prfaas_threshold_tokens: int = Field(
+        8192, ge=0, description="Prompts whose uncached part is longer than this are prefilled remotely."
+    )
+    prfaas_threshold_min_tokens: int = Field(
+        2048, ge=0, description="Lowest threshold adaptation may set when local prefill saturates."
+    )
+    prfaas_threshold_max_tokens: int = Field(
+        131072, ge=0, description="Highest threshold adaptation may set when the link or PrfaaS saturates."
+    )
+    prfaas_bandwidth_mode: PrfaasBandwidthMode = Field(
+        PrfaasBandwidthMode.AUTO, description="auto | scarce | abundant (how cached prefixes are weighed)."
+    )
+    prfaas_abundant_below_utilisation: float = Field(
+        0.5, ge=0, le=1, description="In auto mode the link counts as abundant below this utilisation."
+    )
+    prfaas_link_saturated_utilisation: float = Field(
+        0.9, gt=0, le=1, description="Link utilisation at which the threshold rises (fewer prompts cross)."
+    )
+    prfaas_queue_saturated_tokens: int = Field(
+        65536, ge=1, description="Queued prefill tokens per instance at which a cluster counts as saturated."
+    )
+    prfaas_link_window_s: float = Field(10.0, gt=0, description="Window of the link utilisation estimate.")
+    prfaas_adapt_interval_s: float = Field(
+        5.0, gt=0, description="At most one threshold change per interval."
+    )
+    prfaas_adapt_factor: float = Field(
+        1.25, gt=1, description="Each threshold change multiplies or divides by this."
+    )
+
     instances: tuple[InstanceConfig, ...] = ()
+
+    @field_validator("prfaas_kv_size_mib", mode="before")
+    @classmethod
+    def _parse_kv_table(cls, value):
+        # From a flag or the environment the table comes as "1024:190.8,8192:308.9".
+        if isinstance(value, str):
+            pairs = [part.split(":", 1) for part in value.split(",") if part.strip()]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ValueError("expected LENGTH:MIB pairs separated by commas, e.g. 1024:190.8,8192:308.9")
+            value = {key.strip(): mib.strip() for key, mib in pairs}
+        return value
+
+    @model_validator(mode="after")
+    def _prfaas_consistent(self) -> Settings:
+        if not self.prfaas_cluster:
+            return self
+        if self.prfaas_cluster == LOCAL_CLUSTER:
+            raise ValueError(f"prfaas_cluster cannot be {LOCAL_CLUSTER!r}, every instance's default cluster")
+        if self.prfaas_egress_gbps <= 0:
+            raise ValueError("prfaas_egress_gbps must be > 0 when prfaas_cluster is set")
+        if not self.prfaas_kv_size_mib and self.prfaas_kv_bytes_per_token <= 0:
+            raise ValueError("prfaas_cluster needs prfaas_kv_size_mib or prfaas_kv_bytes_per_token")
+        if self.prfaas_kv_size_mib and (
+            len(self.prfaas_kv_size_mib) < 2
+            or min(self.prfaas_kv_size_mib) < 1
+            or min(self.prfaas_kv_size_mib.values()) < 0
+        ):
+            raise ValueError("prfaas_kv_size_mib needs two lengths or more, lengths >= 1, sizes >= 0")
+        if (
+            not self.prfaas_threshold_min_tokens
+            <= self.prfaas_threshold_tokens
+            <= self.prfaas_threshold_max_tokens
+        ):
+            raise ValueError(
+                "prfaas thresholds must satisfy min <= threshold <= max "
+                f"({self.prfaas_threshold_min_tokens} <= {self.prfaas_threshold_tokens} "
+                f"<= {self.prfaas_threshold_max_tokens})"
+            )
+        return self
 
     @field_validator("dispatch_metric_order", mode="before")
     @classmethod
