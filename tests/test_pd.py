@@ -225,13 +225,30 @@ async def test_vllm_mooncake_connector_fields_are_filled_by_the_gateway():
 @pytest.mark.parametrize(("instances", "protocol", "skip", "message"), [
     ([("d", "decode")], "vllm", 0, "no prefill instance"),
     ([("p", "prefill")], "vllm", 0, "no decode instance"),
-    ([("p", "prefill"), ("d", "decode")], None, 0, "pd_protocol is not set"),
     ([("p", "prefill"), ("d", "decode")], "sglang", 10, "needs pd_protocol vllm"),
 ])
 def test_invalid_fleets_stop_start_up(instances, protocol, skip, message):
     with pytest.raises(ValueError, match=message):
         Settings(pd_protocol=protocol, pd_skip_prefill_below_tokens=skip,
                  instances=[instance(i, "http://127.0.0.1:1", role) for i, role in instances])
+
+
+def test_a_gateway_refuses_prefill_and_decode_instances_without_a_protocol(tmp_path, capsys):
+    from kvgate.cli import main
+
+    config = tmp_path / "fleet.yaml"
+    config.write_text("instances:\n"
+                      "  - {id: p, url: 'http://127.0.0.1:1', model: m, role: prefill}\n"
+                      "  - {id: d, url: 'http://127.0.0.1:2', model: m, role: decode}\n")
+    assert main(["serve", "--config", str(config), "--check-config"]) == 2
+    assert "pd_protocol is not set" in capsys.readouterr().err
+    assert main(["serve", "--config", str(config), "--pd-protocol", "vllm", "--check-config"]) == 0
+    with pytest.raises(ValueError, match="pd_protocol is not set"):
+        from kvgate.gateway.app import build_app
+
+        build_app(Settings.model_validate({"instances": [instance("p", "http://127.0.0.1:1", "prefill"),
+                                                         instance("d", "http://127.0.0.1:2", "decode")]}),
+                  tokenizer=tokenizer())
 
 
 def test_bootstrap_fields_belong_to_prefill_instances():

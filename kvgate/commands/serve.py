@@ -12,6 +12,7 @@ import logging
 import sys
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import Settings
 
 
@@ -29,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     cli_values = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
     try:
         settings = load_settings(cli_values, config_path=args.config)
-    except ConfigError as exc:
+        check_pd_serving(settings.instances, settings.pd_protocol)
+    except (ConfigError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     # Imported after validation: aiohttp, transformers and the scheduler are not needed to reject a config.

@@ -1,7 +1,7 @@
 """Which prefill/decode fleets make sense: checked once when the settings are built.
 
-A model served by prefill instances needs decode instances and the other way round, and both need
-a hand-off protocol; bootstrap fields belong to prefill instances only. A mistake here would
+A model served by prefill instances needs decode instances and the other way round, a gateway
+serving them needs a hand-off protocol, and bootstrap fields belong to prefill instances only. A mistake here would
 otherwise show up as every request of a model failing, so start-up refuses it with the reason.
 """
 
@@ -18,6 +18,17 @@ if TYPE_CHECKING:
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 
 
+def check_pd_serving(instances: Sequence[InstanceConfig], protocol: PDProtocol | None) -> None:
+    """A gateway serving prefill or decode instances must know their hand-off. (Checked when
+    serving only: planners read fleets with these roles without speaking to them.)"""
+    disaggregated = sorted(i.id for i in instances if i.role in ("prefill", "decode"))
+    if disaggregated and protocol is None:
+        raise ValueError(
+            f"instances {disaggregated} have role prefill or decode but pd_protocol is not set "
+            "(--pd-protocol sglang | vllm)"
+        )
+
+
 def check_pd_fleet(
     instances: Sequence[InstanceConfig], protocol: PDProtocol | None, skip_below_tokens: int
 ) -> None:
@@ -29,14 +40,6 @@ def check_pd_fleet(
             raise ValueError(
                 f"instance {instance.id!r}: bootstrap_port and bootstrap_host apply to prefill instances only"
             )
-    disaggregated = sorted(
-        i.id for i in instances if i.role in ("prefill", "decode")
-    )
-    if disaggregated and protocol is None:
-        raise ValueError(
-            f"instances {disaggregated} have role prefill or decode but pd_protocol is not set "
-            "(--pd-protocol sglang | vllm)"
-        )
     for model, by_role in sorted(roles.items()):
         if by_role.get("decode") and not by_role.get("prefill"):
             raise ValueError(f"model {model!r}: decode instances {by_role['decode']} but no prefill instance")

@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import Settings
 from kvgate.gateway import admin, debug
 from kvgate.gateway.admission import check_admission
@@ -53,6 +54,7 @@ def build_app(
 ) -> web.Application:
     """The gateway application. `kvs_index` replaces the configured KV store by an in-process index;
     `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos."""
+    check_pd_serving(settings.instances, settings.pd_protocol)
     prometheus = CollectorRegistry()
     metrics = gateway_metrics(prometheus)
     scheduler = Scheduler(settings, settings.instances)
