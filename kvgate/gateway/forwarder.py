@@ -68,7 +68,7 @@ class Forwarder:
         self._pd = PDForwarder(
             upstream, make_handoff(settings.pd_protocol), registry, tracker,
             decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, self._max_attempts,
-            self.relay_from,
+            self.relay_from, self._observe_hit_ratio,
         ) if settings.pd_protocol is not None else None
 
     async def forward(

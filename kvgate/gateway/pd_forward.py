@@ -66,6 +66,7 @@ class PDForwarder:
         metrics: GatewayMetrics,
         max_attempts: int,
         relay_decode: RelayFrom,
+        observe_hit_ratio: Callable[[RoutePlan, str], None],
     ) -> None:
         self._upstream = upstream
         self._handoff = handoff
@@ -76,6 +77,7 @@ class PDForwarder:
         self._max_attempts = max_attempts
         # The forwarder's relay of one instance's answer (post, 5xx check, relay.py, first byte).
         self._relay_decode = relay_decode
+        self._observe_hit_ratio = observe_hit_ratio
         self._sequence = itertools.count()
 
     async def forward(
@@ -97,6 +99,8 @@ class PDForwarder:
                 break
             if attempt:
                 self._metrics.forward_retries.labels(last_failed).inc()
+            else:  # the hit the policy found for the instance that computes the prompt
+                self._observe_hit_ratio(plan, prefill.id if prefill is not None else decode.id)
             key = f"{request_id}#pd{next(self._sequence)}"
             decode_key = key + "/decode"
             decode_tokens = pd.decode_miss_tokens if prefill is None else 0
