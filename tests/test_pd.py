@@ -215,7 +215,8 @@ async def test_vllm_mooncake_connector_fields_are_filled_by_the_gateway():
         assert transfer_id.startswith("xfer-")
         assert decode_body["kv_transfer_params"] == {
             "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer_id,
-            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}"}
+            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
+            "remote_engine_id": "prefill-vllm"}  # from the bootstrap server's /query
     finally:
         await gateway.close()
         for handle in (prefill, decode):

@@ -117,6 +117,7 @@ class PDForwarder:
                 last_failed = prefill.id if failure.side == "prefill" and prefill else decode.id
                 failures.append(f"{last_failed}: {failure}")
                 if failure.side in ("prefill", "both") and prefill is not None:
+                    self._handoff.forget(prefill.config)
                     prefill = next(prefills, None)
                 if failure.side in ("decode", "both"):
                     decode = next(decodes, None)
@@ -141,7 +142,10 @@ class PDForwarder:
         self, request: web.Request, key: str, plan: RoutePlan, prefill: InstanceState, decode: InstanceState,
         path: str, body: dict[str, Any], headers: str, request_id: str, arrived: float,
     ) -> web.StreamResponse:
-        exchange = self._handoff.attempt(body, prefill.config, request_id)
+        try:
+            exchange = await self._handoff.attempt(body, prefill.config, request_id)
+        except HandOffError as exc:
+            raise PairFailure("prefill", str(exc)) from None
         prefill_key = key + "/prefill"
         self._tracker.dispatch(prefill_key, prefill.id, plan.miss_tokens(prefill.id))
         prefill_task = asyncio.create_task(

@@ -108,6 +108,12 @@ class PDEngineRole:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/kv_transfer/{handle}", self._serve_blocks)
+        if self.role.role == "prefill":
+            app.router.add_get("/query", self._query)
+
+    async def _query(self, request: web.Request) -> web.Response:
+        """vLLM's Mooncake bootstrap server: the engine id per data-parallel rank (one rank here)."""
+        return json_response({"0": {"engine_id": self._engine_id}})
 
     async def _serve_blocks(self, request: web.Request) -> web.Response:
         blocks = await self.outbox.take(request.match_info["handle"], PULL_WAIT_S)
@@ -179,7 +185,10 @@ class PDEngineRole:
                            "prefill/decode router)", param="kv_transfer_params")
         if params.get("do_remote_prefill") is not True:
             return None
-        if isinstance(params.get("remote_bootstrap_addr"), str) and isinstance(params.get("transfer_id"), str):
+        if isinstance(params.get("remote_bootstrap_addr"), str):  # Mooncake connector
+            if not (isinstance(params.get("transfer_id"), str) and isinstance(params.get("remote_engine_id"), str)):
+                raise APIError(400, "decode instance: kv_transfer_params with remote_bootstrap_addr need transfer_id "
+                               "and remote_engine_id", param="kv_transfer_params")
             return f"{params['remote_bootstrap_addr']}/kv_transfer/{params['transfer_id']}"
         host, port, block_ids = params.get("remote_host"), params.get("remote_port"), params.get("remote_block_ids")
         if not (isinstance(host, str) and isinstance(port, int) and isinstance(block_ids, list) and block_ids):

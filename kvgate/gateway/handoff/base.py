@@ -39,7 +39,13 @@ class HandOff(ABC):
     concurrent: bool
 
     @abstractmethod
-    def attempt(self, body: Body, prefill: InstanceConfig, request_id: str) -> PairAttempt: ...
+    async def attempt(self, body: Body, prefill: InstanceConfig, request_id: str) -> PairAttempt:
+        """A new try with `prefill`; may ask the prefill's bootstrap server what the hand-off needs
+        (raises HandOffError when it cannot)."""
+
+    @abstractmethod
+    def forget(self, prefill: InstanceConfig) -> None:
+        """A try with `prefill` failed: drop what was remembered about it (e.g. an engine id)."""
 
     @abstractmethod
     def local_body(self, body: Body) -> Body:

@@ -27,13 +27,16 @@ class SGLangHandOff(HandOff):
     name = "sglang"
     concurrent = True
 
-    def attempt(self, body: Body, prefill: InstanceConfig, request_id: str) -> PairAttempt:
+    async def attempt(self, body: Body, prefill: InstanceConfig, request_id: str) -> PairAttempt:
         return _Attempt({
             **body,
             "bootstrap_host": bootstrap_host(prefill),
             "bootstrap_port": prefill.bootstrap_port or SGLANG_DEFAULT_BOOTSTRAP_PORT,
             "bootstrap_room": secrets.randbits(63),
         })
+
+    def forget(self, prefill: InstanceConfig) -> None:
+        pass  # every try draws a new room; nothing about the instance is remembered
 
     def local_body(self, body: Body) -> Body:
         # Refused at start-up (config/pd.py): an SGLang decode server needs a bootstrap room.

@@ -7,17 +7,23 @@
    ...). The decode instance gets the client's body with exactly those parameters; its answer
    is relayed.
 
-Mooncake connector (a prefill instance configured with `bootstrap_port`): the decode side pulls
-from the prefill's bootstrap server under a transfer id the router chooses, so kvgate fills them
-itself, as vllm-router and vLLM's Mooncake proxy do: `transfer_id` on both requests and
-`remote_bootstrap_addr` (http://host:port), `do_remote_prefill: true` on the decode request; the
-prefill answer's own parameters (such as `remote_engine_id`) are kept.
+Mooncake connector (a prefill instance configured with `bootstrap_port`): the prefill pushes the
+KV to the decode under a transfer id the router chooses, so kvgate fills the fields itself, as
+vllm-router and vLLM's Mooncake proxy do: `transfer_id` on both requests; on the decode request
+`do_remote_prefill: true`, `remote_bootstrap_addr` (http://host:port) and `remote_engine_id`, which
+the prefill's bootstrap server tells (`GET /query`: engine id per data-parallel rank; kvgate uses
+the lowest rank's and remembers it until a lookup fails).
 """
 
 from __future__ import annotations
 
+import aiohttp
+
 from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.handoff.base import Body, HandOff, HandOffError, PairAttempt, bootstrap_host
+
+# A bootstrap server answers its /query at once; only a cache miss waits for it.
+_QUERY_TIMEOUT_S = 5.0
 
 # What the prefill request asks for; the null fields are those a NIXL prefill answer fills in.
 _REMOTE_DECODE = {
@@ -30,12 +36,15 @@ _REMOTE_DECODE = {
 }
 
 
+def mooncake_bootstrap_addr(prefill: InstanceConfig) -> str | None:
+    return f"http://{bootstrap_host(prefill)}:{prefill.bootstrap_port}" if prefill.bootstrap_port else None
+
+
 class _Attempt(PairAttempt):
-    def __init__(self, body: Body, prefill: InstanceConfig, request_id: str) -> None:
+    def __init__(self, body: Body, prefill: InstanceConfig, request_id: str, engine_id: str | None) -> None:
         self._body = body
-        self._mooncake_addr = (
-            f"http://{bootstrap_host(prefill)}:{prefill.bootstrap_port}" if prefill.bootstrap_port else None
-        )
+        self._mooncake_addr = mooncake_bootstrap_addr(prefill)
+        self._engine_id = engine_id
         self._transfer_id = f"xfer-{request_id}"
         params = dict(_REMOTE_DECODE)
         if self._mooncake_addr:
@@ -57,6 +66,7 @@ class _Attempt(PairAttempt):
                 "do_remote_prefill": True,
                 "transfer_id": self._transfer_id,
                 "remote_bootstrap_addr": self._mooncake_addr,
+                "remote_engine_id": self._engine_id,
             }
         if not isinstance(params, dict) or not params:
             raise HandOffError("the prefill answer carries no kv_transfer_params (is a KV connector configured?)")
@@ -67,8 +77,34 @@ class VLLMHandOff(HandOff):
     name = "vllm"
     concurrent = False
 
-    def attempt(self, body: Body, prefill: InstanceConfig, request_id: str) -> PairAttempt:
-        return _Attempt(body, prefill, request_id)
+    def __init__(self) -> None:
+        self._engine_ids: dict[str, str] = {}  # Mooncake bootstrap address -> engine id
+
+    async def attempt(self, body: Body, prefill: InstanceConfig, request_id: str) -> PairAttempt:
+        address = mooncake_bootstrap_addr(prefill)
+        engine_id = await self._engine_id(address) if address else None
+        return _Attempt(body, prefill, request_id, engine_id)
+
+    async def _engine_id(self, address: str) -> str:
+        if address in self._engine_ids:
+            return self._engine_ids[address]
+        try:
+            timeout = aiohttp.ClientTimeout(total=_QUERY_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.get(address + "/query") as answer:
+                ranks = await answer.json(content_type=None) if answer.status == 200 else None
+            engine_id = ranks[min(ranks, key=int)]["engine_id"]
+        except (aiohttp.ClientError, TimeoutError, ValueError, LookupError, TypeError) as exc:
+            raise HandOffError(f"the Mooncake bootstrap server {address} did not name its engine: {exc!r}") from None
+        if not isinstance(engine_id, str):
+            raise HandOffError(f"the Mooncake bootstrap server {address} named no engine id")
+        self._engine_ids[address] = engine_id
+        return engine_id
+
+    def forget(self, prefill: InstanceConfig) -> None:
+        # The instance may have restarted under another engine id.
+        address = mooncake_bootstrap_addr(prefill)
+        if address:
+            self._engine_ids.pop(address, None)
 
     def local_body(self, body: Body) -> Body:
         # Explicitly local: the connector computes the prompt on the decode instance.
