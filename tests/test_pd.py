@@ -280,3 +280,23 @@ async def test_the_demo_runs_a_disaggregated_fleet():
     async with running_fleet(spec, DispatchPolicy.CACHE_AWARE, tokenizer()) as url:
         answer = await client(url).completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=3)
         assert len(answer.choices[0].text.split()) == 3
+
+
+async def test_a_mooncake_prefill_whose_bootstrap_server_is_silent_is_replaced():
+    bootstrap = free_port()
+    prefill, decode = await engine("prefill", "vllm", bootstrap), await engine("decode", "vllm")
+    # "a-silent" is a live engine, but nothing answers on the bootstrap port it is configured with.
+    silent = await engine("prefill", "vllm")
+    instances = [instance("a-silent", silent.url, "prefill", free_port()), instance("p-live", prefill.url, "prefill",
+                 bootstrap), instance("d0", decode.url, "decode")]
+    gateway = await start_gateway(settings("vllm", instances, dispatch_policy="round_robin"), tokenizer=tokenizer())
+    try:
+        answer = await client(gateway.url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert len(answer.choices[0].text.split()) == 2
+        assert list(silent.engine.received) == []  # refused before anything was sent to it
+        assert counter_value(gateway, "kvgate_forward_retries_total", instance="a-silent") == 1
+        await assert_nothing_in_flight(gateway)
+    finally:
+        await gateway.close()
+        for handle in (prefill, decode, silent):
+            await handle.close()
