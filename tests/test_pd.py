@@ -300,3 +300,28 @@ async def test_a_mooncake_prefill_whose_bootstrap_server_is_silent_is_replaced()
         await gateway.close()
         for handle in (prefill, decode, silent):
             await handle.close()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_client_hang_up_during_the_prefill_cancels_both(protocol):
+    bootstrap = free_port() if protocol == "sglang" else None
+    # A slow modelled GPU (500x): the prefill would take ~20 s, far longer than the waits below, so
+    # the engines can only be free again because the hang-up cancelled the requests.
+    slow = MockEngineConfig(time_scale=500.0, pd=PDRole("prefill", protocol, 1e6, bootstrap))
+    prefill = await start_mock_engine(slow, tokenizer=TokenizerService(tokenizer()))
+    decode = await engine("decode", protocol)
+    instances = [instance("p0", prefill.url, "prefill", bootstrap), instance("d0", decode.url, "decode")]
+    gateway = await start_gateway(settings(protocol, instances), tokenizer=tokenizer())
+    try:
+        impatient = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.completions.create(model=MODEL, prompt=PROMPT * 4, max_tokens=5, stream=True)
+        assert len(prefill.engine.received) == 1  # the prefill was under way
+        await wait_until(lambda: prefill.engine.loop.num_open_requests == 0)
+        await wait_until(lambda: decode.engine.loop.num_open_requests == 0)
+        await assert_nothing_in_flight(gateway)
+        assert len(gateway.app[GATEWAY].decode_ledger) == 0
+    finally:
+        await gateway.close()
+        for handle in (prefill, decode):
+            await handle.close()
