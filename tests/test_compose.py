@@ -182,7 +182,7 @@ def test_dockerfile_copies_what_exists_and_runs_kvgate():
     assert any(words[:2] == ["RUN", "pip"] and '".[mooncake]"' in words for words in lines)
 
 
-def test_pd_profile_wiring_agrees_everywhere():
+def test_pd_profile_wiring_agrees_everywhere(capsys):
     config = _config("kvgate-pd.yaml")
     engines = [name for name in _kvgate_services("mock-engine") if SERVICES[name].get("profiles") == ["pd"]]
     assert len(config["instances"]) == len(engines) == 4
@@ -199,7 +199,11 @@ def test_pd_profile_wiring_agrees_everywhere():
         assert int(flags.get("bootstrap-port", 0)) == instance.get("bootstrap_port", 0)
         assert flags["config"] == f"{CONFIG_DIR}/kvgate-pd.yaml"
         roles.append(instance["role"])
+        assert main([*_on_host(argv), "--check"]) == 0  # the engine accepts its PD flags
     assert sorted(roles) == ["decode", "decode", "prefill", "prefill"]
+    checked = capsys.readouterr().out
+    assert checked.count("prefill engine (sglang hand-off, bootstrap port 8998)") == 2
+    assert checked.count("decode engine (sglang hand-off)") == 2
     gateway = SERVICES["gateway-pd"]
     # One variable switches the hand-off of engines and gateway together.
     assert "--pd-protocol=${KVGATE_PD_PROTOCOL:-sglang}" in gateway["command"]

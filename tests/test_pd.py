@@ -325,3 +325,15 @@ async def test_client_hang_up_during_the_prefill_cancels_both(protocol):
         await gateway.close()
         for handle in (prefill, decode):
             await handle.close()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--role", "decode"], "needs --pd-protocol"),
+    (["--role", "decode", "--pd-protocol", "vllm", "--bootstrap-port", "9000"], "belongs to a prefill engine"),
+    (["--pd-protocol", "sglang"], "need --role prefill or decode"),
+])
+def test_mock_engine_pd_flags_are_checked(flags, message, capsys):
+    from kvgate.cli import main
+
+    assert main(["mock-engine", "--port", "0", *flags, "--check"]) == 2
+    assert message in capsys.readouterr().err

@@ -154,6 +154,14 @@ def _pd_role(args: argparse.Namespace) -> PDRole | None:
     return PDRole(args.role, args.pd_protocol, args.kv_transfer_tokens_per_s, bootstrap)
 
 
+def _pd_summary(config: MockEngineConfig) -> str:
+    pd = config.pd
+    if pd is None:
+        return ""
+    bootstrap = f", bootstrap port {pd.bootstrap_port}" if pd.bootstrap_port else ""
+    return f", {pd.role} engine ({pd.protocol} hand-off{bootstrap})"
+
+
 def _publisher_options(args: argparse.Namespace, config: MockEngineConfig) -> PublisherOptions:
     if args.kvs_backend == "embedded":
         raise ConfigError(
@@ -184,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             f"mock-engine configuration OK: model {config.model}, {config.profile.cache_capacity_blocks} "
             f"blocks of {config.profile.block_size} tokens, time scale {config.time_scale}, "
             f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}"
+            + _pd_summary(config)
         )
         return 0
     run_async(lambda: _serve(args, config, options))
