@@ -15,6 +15,7 @@ COMMANDS = {
     "demo": "kvgate.commands.demo",
     "simulate": "kvgate.commands.simulate",
     "bench": "kvgate.commands.bench",
+    "doctor": "kvgate.commands.doctor",
     "plan": "kvgate.commands.plan",
 }
 

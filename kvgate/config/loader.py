@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from kvgate.config.instance_rules import redact_urls_in
 from kvgate.config.settings import Settings
 
 ENV_PREFIX = "KVGATE_"
@@ -103,8 +104,12 @@ def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
         if error["type"] == "extra_forbidden":
             lines.append(f"unknown setting {field!r} (from {origin.get(field, 'input')})")
             continue
+        if not error["loc"]:
+            # A check across fields: its input is every setting (secrets included), so only the message.
+            lines.append(redact_urls_in(f"invalid settings: {error['msg']}"))
+            continue
         value = error.get("input")
         source = origin.get(field, "default")
         detail = f" at {where}" if where else ""
-        lines.append(f"invalid value for {label}{detail} (from {source}): {value!r}: {error['msg']}")
+        lines.append(redact_urls_in(f"invalid value for {label}{detail} (from {source}): {value!r}: {error['msg']}"))
     return "configuration error:\n  " + "\n  ".join(lines)

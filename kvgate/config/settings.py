@@ -13,6 +13,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvgate.config import instance_rules
+from kvgate.config.api_keys import load_api_keys
 from kvgate.config.pd import check_pd_fleet
 
 
@@ -38,6 +40,12 @@ class DispatchPolicy(StrEnum):
 class PDProtocol(StrEnum):
     SGLANG = "sglang"
     VLLM = "vllm"
+
+
+class DebugRoutes(StrEnum):
+    PUBLIC = "public"
+    ADMIN = "admin"  # behind the admin token
+    OFF = "off"
 
 
 class InstanceRole(StrEnum):
@@ -73,8 +81,8 @@ class InstanceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    id: Annotated[str, Field(min_length=1)]
-    url: Annotated[str, Field(pattern=r"^https?://")]
+    id: str
+    url: str
     model: Annotated[str, Field(min_length=1)]
     role: InstanceRole = InstanceRole.NEUTRAL
     # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
@@ -86,6 +94,16 @@ class InstanceConfig(BaseModel):
     bootstrap_host: str = Field("", description="Host of the bootstrap server; empty: the URL's host.")
     # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
     cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, value: str) -> str:
+        return instance_rules.check_instance_id(value)
+
+    @field_validator("url")
+    @classmethod
+    def _valid_url(cls, value: str) -> str:
+        return instance_rules.check_instance_url(value)
 
 
 class Settings(BaseModel):
@@ -182,6 +200,37 @@ class Settings(BaseModel):
     pd_skip_prefill_below_tokens: int = Field(
         0, ge=0, description="Send a PD request straight to the decode instance when at most this many "
         "prompt tokens are uncached there (vllm only); 0 disables.",
+    )
+
+    # --- front door: clients, access control, shutdown (docs/OPERATIONS.md) ---
+    client_request_timeout_s: float = Field(
+        30.0, gt=0, description="Drop a request whose headers (counted from the connection going idle) or "
+        "whose body (counted from the end of its headers) is not complete after this long; also closes "
+        "idle keep-alive connections.",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, time in-flight requests get to finish before the rest are "
+        "ended with an error.",
+    )
+    api_keys_file: str = Field(
+        "", description="File of client API keys ('name:key' or a bare key per line, # comments); "
+        "when set, /v1/* needs 'Authorization: Bearer <key>'.",
+    )
+    api_key_rate_limit_rps: float = Field(0.0, ge=0, description="Requests per second per API key; 0 = no limit.")
+    api_key_rate_limit_burst: int = Field(
+        0, ge=0, description="Requests a key may send at once above its rate (0 = one second's worth).",
+    )
+    api_key_max_inflight: int = Field(0, ge=0, description="Concurrent requests per API key; 0 = no limit.")
+    engine_api_key: str = Field(
+        "", description="Bearer token sent to engines. Without it, engines get the client's Authorization "
+        "header, except with --api-keys-file, whose keys never leave the gateway.",
+    )
+    debug_routes: DebugRoutes = Field(
+        DebugRoutes.PUBLIC, description="public | admin (behind --admin-token) | off: /debug/schedule and /metrics."
+    )
+    access_log: bool = Field(False, description="One JSON line per request on stdout (logger kvgate.access).")
+    instance_networks: tuple[str, ...] = Field(
+        (), description="Comma-separated CIDRs instance URLs must point into (IP hosts only); empty = any.",
     )
 
     # --- Prefill-as-a-Service: a remote prefill cluster for long prompts (docs/PLANNER.md) ---
@@ -299,6 +348,32 @@ class Settings(BaseModel):
     def _empty_seed_is_zero(cls, value):
         # vLLM and Llumnix treat an unset or empty seed as "0".
         return value or "0"
+
+    @field_validator("instance_networks", mode="before")
+    @classmethod
+    def _split_networks(cls, value):
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("instance_networks")
+    @classmethod
+    def _valid_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(network) for network in instance_rules.parse_networks(value))
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _readable_api_keys(cls, value: str) -> str:
+        if value:
+            load_api_keys(value)
+        return value
+
+    @model_validator(mode="after")
+    def _instances_in_allowed_networks(self) -> Settings:
+        networks = instance_rules.parse_networks(self.instance_networks)
+        for instance in self.instances:
+            instance_rules.check_url_in_networks(instance.url, networks)
+        return self
 
     @model_validator(mode="after")
     def _unique_instance_ids(self) -> Settings:

@@ -14,8 +14,9 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
+from kvgate.config.instance_rules import check_url_in_networks, parse_networks
 from kvgate.config.settings import InstanceConfig
-from kvgate.gateway.errors import APIError
+from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.protocol import json_response
 from kvgate.gateway.registry import InstanceState, RegistryError
 from kvgate.gateway.state import GATEWAY, Gateway
@@ -28,7 +29,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/instances/{id}", _remove)
 
 
-def _authorized(request: web.Request) -> Gateway:
+def require_admin(request: web.Request) -> Gateway:
+    """The gateway if the request carries the admin token; 404 when admin is off, 401/403 otherwise."""
     gateway = request.app[GATEWAY]
     token = gateway.settings.admin_token
     if not token:
@@ -41,18 +43,27 @@ def _authorized(request: web.Request) -> Gateway:
     return gateway
 
 
+def admin_only(handler: Handler) -> Handler:
+    """`handler` behind the admin token (--debug-routes admin)."""
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        require_admin(request)
+        return await handler(request)
+
+    return guarded
+
+
 def _describe(gateway: Gateway, state: InstanceState) -> dict:
     requests, prefill_tokens = gateway.account.inflight(state.id)
     return {**state.describe(), "inflight_requests": requests, "inflight_prefill_tokens": prefill_tokens}
 
 
 async def _list(request: web.Request) -> web.Response:
-    gateway = _authorized(request)
+    gateway = require_admin(request)
     return json_response({"instances": [_describe(gateway, s) for s in gateway.registry.states()]})
 
 
 async def _add(request: web.Request) -> web.Response:
-    gateway = _authorized(request)
+    gateway = require_admin(request)
     try:
         config = InstanceConfig.model_validate(orjson.loads(await request.read()))
     except orjson.JSONDecodeError as exc:
@@ -62,6 +73,10 @@ async def _add(request: web.Request) -> web.Response:
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise APIError(400, f"invalid instance '{where}': {first['msg']}", param=where) from None
     try:
+        check_url_in_networks(config.url, parse_networks(gateway.settings.instance_networks))
+    except ValueError as exc:
+        raise APIError(400, f"invalid instance 'url': {exc}", param="url", code="instance_network_refused") from None
+    try:
         state = gateway.registry.add(config)
     except RegistryError as exc:
         raise APIError(409, str(exc), code="instance_exists") from None
@@ -70,13 +85,13 @@ async def _add(request: web.Request) -> web.Response:
 
 
 async def _drain(request: web.Request) -> web.Response:
-    gateway = _authorized(request)
+    gateway = require_admin(request)
     state = _known(gateway.registry.drain, request)
     return json_response(_describe(gateway, state))
 
 
 async def _remove(request: web.Request) -> web.Response:
-    gateway = _authorized(request)
+    gateway = require_admin(request)
     state = _known(gateway.registry.remove, request)
     # Requests already sent finish normally; their account entries still release.
     gateway.metrics.instance_healthy.remove(state.id)

@@ -16,25 +16,37 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvgate.config.api_keys import load_api_keys
 from kvgate.config.pd import check_pd_serving
-from kvgate.config.settings import Settings
-from kvgate.gateway import admin, debug
+from kvgate.config.settings import DebugRoutes, Settings
+from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.admission import check_admission
+from kvgate.gateway.auth import ClientAuth
 from kvgate.gateway.background import every
+from kvgate.gateway.client_timeout import body_timeout_middleware
+from kvgate.gateway.drain import DRAIN, ShutdownDrain
 from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.health import HealthChecker
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
 from kvgate.gateway.registry import InstanceRegistry
+from kvgate.gateway.request_notes import MODEL, PLAN
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
-from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
+from kvgate.metrics.definitions import (
+    GatewayMetrics,
+    client_key_metrics,
+    gateway_metrics,
+    hit_metrics,
+    kvs_metrics,
+)
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
@@ -74,24 +86,45 @@ def build_app(
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics,
                            decode_ledger=decode_ledger)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
-                      InflightTracker(account, metrics), tokenizer_service, kvs, planner, decode_ledger)
+                      InflightTracker(account, metrics), tokenizer_service, kvs, planner,
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        middlewares=[observe_middleware(metrics), error_middleware],
-    )
+    drain = ShutdownDrain()
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=_middlewares(settings, metrics, prometheus, drain))
     app[GATEWAY] = gateway
+    app[DRAIN] = drain
+    if settings.access_log:
+        access_log.enable(app)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
-    debug.add_routes(app)
+    app.router.add_get("/livez", _livez)
+    if settings.debug_routes is not DebugRoutes.OFF:
+        guard = admin.admin_only if settings.debug_routes is DebugRoutes.ADMIN else None
+        app.router.add_get("/metrics", guard(_metrics) if guard else _metrics)
+        debug.add_routes(app, guard)
     admin.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: CollectorRegistry,
+                 drain: ShutdownDrain) -> list:
+    """Outermost first: name and count the request, log it, track it for the drain, turn errors
+    into OpenAI JSON, check the client's API key, then make sure the body arrives in time."""
+    chain = [observe_middleware(metrics)]
+    if settings.access_log:
+        chain.append(access_log.access_log_middleware)
+    chain += [drain.middleware(), error_middleware]
+    if settings.api_keys_file:
+        auth = ClientAuth(load_api_keys(settings.api_keys_file), settings, client_key_metrics(prometheus))
+        chain.append(auth.middleware())
+    chain.append(body_timeout_middleware(settings.client_request_timeout_s))
+    return chain
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -100,7 +133,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
     gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
-                                  gateway.decode_ledger)
+                                  gateway.hits, gateway.decode_ledger)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
@@ -141,7 +174,8 @@ async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) 
     arrived = time.perf_counter()
     gateway = request.app[GATEWAY]
     parsed = parse(await request.read())
-    plan = await gateway.planner.plan(parsed)
+    request[MODEL] = parsed.model
+    plan = request[PLAN] = await gateway.planner.plan(parsed)
     try:
         check_admission(plan, gateway.settings.ttft_slo_s, gateway.settings.prefill_tokens_per_s)
     except APIError:
@@ -159,10 +193,20 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    # The gateway itself is alive; how many instances can take requests is reported, not judged.
+    """Readiness: 503 while no instance can take a request, so load balancers send traffic
+    elsewhere; the body says why. (While draining, the listening socket is already closed.)"""
     states = request.app[GATEWAY].registry.states()
-    healthy = sum(1 for s in states if s.routable)
-    return json_response({"status": "ok", "instances": len(states), "routable_instances": healthy})
+    routable = sum(1 for s in states if s.routable)
+    body = {"status": "ok", "instances": len(states), "routable_instances": routable}
+    if not routable:
+        reason = "no instance configured" if not states else "no instance is routable (all ejected or draining)"
+        return json_response({**body, "status": "unavailable", "reason": reason}, status=503)
+    return json_response(body)
+
+
+async def _livez(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves HTTP, whatever the instances' state."""
+    return json_response({"status": "alive"})
 
 
 async def _metrics(request: web.Request) -> web.Response:

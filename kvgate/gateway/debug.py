@@ -7,20 +7,23 @@ account is not touched, so it is safe to call against a production gateway.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from kvgate.gateway.admission import predicted_ttft_s
-from kvgate.gateway.errors import APIError
+from kvgate.gateway.errors import APIError, Handler
+from kvgate.gateway.observe import REQUEST_ID
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/debug/schedule", _schedule)
+def add_routes(app: web.Application, guard: Callable[[Handler], Handler] | None = None) -> None:
+    """`guard` wraps the handler (the admin-token check of --debug-routes admin)."""
+    app.router.add_post("/debug/schedule", guard(_schedule) if guard else _schedule)
 
 
 async def _schedule(request: web.Request) -> web.Response:
@@ -36,6 +39,8 @@ async def _schedule(request: web.Request) -> web.Response:
     rate = gateway.settings.prefill_tokens_per_s
     return json_response({
         **_pd_fields(plan),
+        # The X-Request-Id of this call (the client's own, or the one the gateway gave it).
+        "request_id": request[REQUEST_ID],
         "selected": plan.decision.selected,
         "ranking": list(plan.decision.ranking),
         "cache_aware": plan.decision.cache_aware,

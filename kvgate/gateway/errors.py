@@ -32,13 +32,15 @@ class APIError(Exception):
     """A failure the client should see, with its HTTP status and OpenAI error fields."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429
 
 
 def error_payload(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -51,7 +53,7 @@ def error_response(error: APIError, headers: dict[str, str] | None = None) -> we
         status=error.status,
         body=orjson.dumps(error_payload(error.status, error.message, error.param, error.code)),
         content_type="application/json",
-        headers=headers,
+        headers=headers if headers is not None else error.headers,
     )
 
 

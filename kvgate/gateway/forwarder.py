@@ -9,6 +9,8 @@ Rules, in the order a request meets them:
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
   connection is closed at once, which makes the engine abort the request.
 - Each attempt owns one account entry, released on every exit path (finally).
+- Each answer's usage report is compared with the prefix hit predicted at routing (hit_accounting.py);
+  a stream whose client did not ask for usage asks the engine for it (usage.py).
 - A plan with a prefill/decode decision goes to pd_forward.py instead (a pair per try).
 """
 
@@ -23,8 +25,10 @@ import orjson
 from aiohttp import web
 
 from kvgate.config.settings import Settings
+from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.handoff import make_handoff
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.pd_forward import PDForwarder
 from kvgate.gateway.protocol import ParsedRequest
@@ -36,13 +40,13 @@ from kvgate.gateway.relay import (
     describe,
     relay_answer,
 )
+from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
+from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
 
-# Client headers an engine may need (its own API key); everything else stays at the gateway.
-_PASSED_HEADERS = ("Authorization",)
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
 
@@ -54,14 +58,18 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        hits: HitAccounting | None = None,
         decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._upstream = upstream
+        self._hits = hits
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
         self._max_attempts = 1 + settings.forward_retries
         self._forward_token_ids = settings.forward_token_ids
+        # The only client header an engine may need (its own API key); see gateway/auth.py.
+        self._authorization = engine_authorization(settings)
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
         # Only a gateway with a pd_protocol plans disaggregated requests (gateway/routing.py).
@@ -74,14 +82,15 @@ class Forwarder:
     async def forward(
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
-        headers = _upstream_headers(request, request_id)
+        headers = _upstream_headers(request_id, self._authorization(request))
         if plan.pd is not None and self._pd is not None:
-            response = await self._pd.forward(request, parsed, plan, self._body(parsed, plan), headers, request_id,
-                                              arrived)
+            response = await self._pd.forward(request, parsed, plan, self._pd_body(parsed, plan), headers,
+                                              request_id, arrived)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             return response
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
-        payload = self._payload(parsed, plan)
+        compared = self._hits is not None and _comparable(parsed, plan)
+        payload, usage_asked = self._payload(parsed, plan, compared)
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -97,12 +106,16 @@ class Forwarder:
             if last_failed is not None:
                 self._metrics.forward_retries.labels(last_failed).inc()
             key = f"{request_id}#{next(self._sequence)}"
-            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id))
+            # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
+            prompts = len(parsed.batch) if parsed.batch is not None else 1
+            self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
+            tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
+            request[ANSWERED_BY] = instance_id
             try:
                 response = await self.relay_from(request, key, state.config.url, path, payload, headers,
-                                                 request_id, arrived)
+                                                 request_id, arrived, tap)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 last_failed = instance_id
@@ -110,20 +123,40 @@ class Forwarder:
             finally:
                 self._tracker.release(key)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            if tap is not None:
+                self._record_hit(parsed, plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
         raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
 
-    def _payload(self, parsed: ParsedRequest, plan: RoutePlan) -> bytes:
-        if self._forward_token_ids and parsed.prompt_text is not None:
-            return orjson.dumps(self._body(parsed, plan))
-        return parsed.raw
+    def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
+        """The body for the engine, and whether it asks for usage the client did not ask for."""
+        changes: dict = {}
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
+            changes["prompt"] = plan.prompt_ids
+        options = stream_options_asking_usage(parsed) if compared else None
+        if options is not None:
+            changes["stream_options"] = options
+        if not changes:
+            return parsed.raw, False
+        return orjson.dumps({**parsed.body, **changes}), options is not None
 
-    def _body(self, parsed: ParsedRequest, plan: RoutePlan) -> dict[str, Any]:
-        if self._forward_token_ids and parsed.prompt_text is not None:
+    def _pd_body(self, parsed: ParsedRequest, plan: RoutePlan) -> dict[str, Any]:
+        """The client's body as the hand-off starts from (token ids with --forward-token-ids)."""
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
             return {**parsed.body, "prompt": plan.prompt_ids}
         return parsed.body
+
+    def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
+                    request_id: str) -> None:
+        assert self._hits is not None
+        if tap.usage is None and not tap.answered:  # a relayed 4xx, a stream cut short: no word
+            return
+        score = plan.score(instance_id)
+        predicted = score.prefix_hit_tokens if score is not None else 0
+        found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
+        self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
 
     async def relay_from(
         self,
@@ -135,6 +168,7 @@ class Forwarder:
         headers: str,
         request_id: str,
         arrived: float,
+        tap: UsageTap | None = None,
         on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """One instance's answer relayed to the client; `key`'s account entry sees its first byte."""
@@ -146,7 +180,7 @@ class Forwarder:
             if upstream.status >= 500:
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
             return await relay_answer(request, upstream, request_id,
-                                      lambda: self._first_byte(key, arrived, on_first_byte))
+                                      lambda: self._first_byte(key, arrived, on_first_byte), tap)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
@@ -166,6 +200,13 @@ class Forwarder:
             self._metrics.prefix_hit_ratio.observe(score.prefix_hit_tokens / plan.num_prompt_tokens)
 
 
+def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
+    """Whether the answer's usage can check the prediction: the store was asked, and the usage is of
+    that one prompt (a batch or n > 1 reports its prompts' or samples' sums). Other requests are
+    relayed untouched and unread."""
+    return plan.kvs_status == "ok" and parsed.batch is None and parsed.body.get("n") in (1, None)
+
+
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
     text = b""
     try:
@@ -176,13 +217,11 @@ async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
     return text[:limit].decode("utf-8", "replace") if text else "(no body)"
 
 
-def _upstream_headers(request: web.Request, request_id: str) -> str:
-    """The request's header lines for the engine: fixed ones, the request id and the passed ones."""
+def _upstream_headers(request_id: str, authorization: str | None) -> str:
+    """The request's header lines for the engine: fixed ones, the request id and the authorization."""
     lines = [_FIXED_HEADERS, _header_line(REQUEST_ID_HEADER, request_id)]
-    for name in _PASSED_HEADERS:
-        value = request.headers.get(name)
-        if value is not None:
-            lines.append(_header_line(name, value))
+    if authorization is not None:
+        lines.append(_header_line("Authorization", authorization))
     return "".join(lines)
 
 

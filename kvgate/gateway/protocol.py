@@ -3,6 +3,9 @@
 Only what routing needs is declared (model, prompt or messages, stream); every other field is
 allowed and forwarded untouched, because engines accept many extensions (vLLM sampling options,
 SGLang's extras) the gateway has no business filtering. Types are strict: "12" is not a token id.
+The fields that shape scheduling or the relay (`max_tokens`, `max_completion_tokens`, `n`,
+`stream_options`) are type-checked too, one function per field (`check_shaping_fields`), so a
+wrong type is a clear 400 here rather than an engine's error after routing.
 
 Every request pays for parsing, so the usual shapes (a text or token-id prompt, text chat
 messages) are recognised by a few type checks first; pydantic validates everything else and
@@ -37,17 +40,16 @@ class CompletionBody(_OpenAIBody):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt: Any) -> str | list[int]:
-        """A string or token ids; a batch of one is unwrapped, real batches refused (one decision each)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            prompt = prompt[0]
-        if isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt)):
-            if not prompt:
+    def _prompt_or_batch(cls, prompt: Any) -> list[str | list[int]]:
+        """A string, token ids, or a batch (a list of either): returned as the list of prompts."""
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+        for one in batch:
+            if not (isinstance(one, str) or (isinstance(one, list) and _token_ids(one))):
+                raise ValueError("must be a string, a list of token ids (integers in 0..2**32-1), "
+                                 "or a list of either")
+            if not one:
                 raise ValueError("must not be empty")
-            return prompt
-        raise ValueError("must be a string or a list of token ids (integers in 0..2**32-1)")
+        return batch
 
 
 def _token_ids(values: list) -> bool:
@@ -84,9 +86,12 @@ class ParsedRequest:
     body: dict[str, Any]
     raw: bytes  # forwarded as is unless the gateway must change the body
     # Exactly one of these is set: prompt text, prompt token ids, or chat messages (as sent).
+    # For a batched completion they hold the first prompt, which routes the batch (see `batch`).
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    # Every prompt of a batched completion (more than one), in order; None for a single prompt.
+    batch: list[str] | list[list[int]] | None = None
 
 
 def parse_completion(raw: bytes) -> ParsedRequest:
@@ -94,8 +99,10 @@ def parse_completion(raw: bytes) -> ParsedRequest:
     model, stream, prompt = body.get("model"), body.get("stream", False), body.get("prompt")
     if type(model) is str and model and type(stream) is bool and prompt:
         if type(prompt) is str:
+            check_shaping_fields(body, stream)
             return ParsedRequest(False, model, stream, body, raw, prompt_text=prompt)
         if type(prompt) is list and type(prompt[0]) is int and _token_ids(prompt):
+            check_shaping_fields(body, stream)
             return ParsedRequest(False, model, stream, body, raw, prompt_ids=prompt)
     return validated_completion(body, raw)
 
@@ -106,6 +113,7 @@ def parse_chat(raw: bytes) -> ParsedRequest:
     if (type(model) is str and model and type(stream) is bool and type(messages) is list and messages
             and all(type(m) is dict and type(m.get("role")) is str and m["role"]
                     and (m.get("content") is None or type(m["content"]) is str) for m in messages)):
+        check_shaping_fields(body, stream)
         return ParsedRequest(True, model, stream, body, raw, messages=messages)
     return validated_chat(body, raw)
 
@@ -113,16 +121,68 @@ def parse_chat(raw: bytes) -> ParsedRequest:
 def validated_completion(body: dict[str, Any], raw: bytes) -> ParsedRequest:
     """The full validation (pydantic), for bodies the quick check in parse_completion did not accept."""
     request = _validate(CompletionBody, body)
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return ParsedRequest(False, request.model, request.stream, body, raw, prompt_text=prompt)
-    return ParsedRequest(False, request.model, request.stream, body, raw, prompt_ids=prompt)
+    check_shaping_fields(body, request.stream)
+    prompts = request.prompt
+    batch = prompts if len(prompts) > 1 else None
+    first = prompts[0]
+    if isinstance(first, str):
+        return ParsedRequest(False, request.model, request.stream, body, raw, prompt_text=first, batch=batch)
+    return ParsedRequest(False, request.model, request.stream, body, raw, prompt_ids=first, batch=batch)
 
 
 def validated_chat(body: dict[str, Any], raw: bytes) -> ParsedRequest:
     """The full validation (pydantic), for bodies the quick check in parse_chat did not accept."""
     request = _validate(ChatBody, body)
+    check_shaping_fields(body, request.stream)
     return ParsedRequest(True, request.model, request.stream, body, raw, messages=body["messages"])
+
+
+# --- the fields that shape scheduling and the relay: one check per field ---
+
+def check_shaping_fields(body: dict[str, Any], stream: bool) -> None:
+    """400 for a wrongly typed max_tokens, max_completion_tokens, n or stream_options (absent or
+    null means the engine's default). Everything else passes through unchecked."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        check_max_tokens(body, field)
+    check_n(body)
+    check_stream_options(body, stream)
+
+
+def check_max_tokens(body: dict[str, Any], field: str) -> None:
+    value = body.get(field)
+    if value is not None and (type(value) is not int or value < 1):
+        raise APIError(400, f"invalid '{field}': must be a positive integer", param=field)
+
+
+def check_n(body: dict[str, Any]) -> None:
+    value = body.get("n")
+    if value is not None and (type(value) is not int or value < 1):
+        raise APIError(400, "invalid 'n': must be a positive integer", param="n")
+
+
+def add_special_tokens(body: dict[str, Any], chat: bool) -> bool:
+    """vLLM's `add_special_tokens`: BOS/EOS around the text; by default on for completions, off for
+    chats (their template writes them). It changes the token ids, so the gateway follows it too."""
+    value = body.get("add_special_tokens")
+    if value is None:
+        return not chat
+    if type(value) is not bool:
+        raise APIError(400, "invalid 'add_special_tokens': must be a boolean", param="add_special_tokens")
+    return value
+
+
+def check_stream_options(body: dict[str, Any], stream: bool) -> None:
+    """An object, only with `stream: true` (as OpenAI and vLLM rule); `include_usage` a boolean."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if type(options) is not dict:
+        raise APIError(400, "invalid 'stream_options': must be an object", param="stream_options")
+    if not stream:
+        raise APIError(400, "invalid 'stream_options': only allowed when 'stream' is true", param="stream_options")
+    for flag in ("include_usage", "continuous_usage_stats"):
+        if flag in options and type(options[flag]) is not bool:
+            raise APIError(400, f"invalid 'stream_options.{flag}': must be a boolean", param="stream_options")
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

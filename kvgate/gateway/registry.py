@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvgate.config.instance_rules import redact_url
 from kvgate.config.settings import InstanceConfig
 
 
@@ -32,7 +33,7 @@ class InstanceState:
     def describe(self) -> dict:
         return {
             "id": self.id,
-            "url": self.config.url,
+            "url": redact_url(self.config.url),
             "model": self.config.model,
             "role": self.config.role.value,
             "kvs_endpoints": list(self.config.kvs_endpoints),

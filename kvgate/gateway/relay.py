@@ -8,6 +8,8 @@ prefill/decode hand-off) relays through here, so streaming behaves the same on a
   an event: after the first byte an upstream failure ends the stream with an OpenAI-style error
   event and `data: [DONE]`; before it, `RetryableFailure` tells the caller another instance may
   answer.
+- A `UsageTap` (usage.py), when given, reads the engine's usage report on the way and removes the
+  usage chunk the gateway asked for on the client's behalf.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ import orjson
 from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
+from kvgate.gateway.request_notes import STREAMING_RESPONSE
 from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
+from kvgate.gateway.usage import UsageTap
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
 UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
+# Set on a request whose stream the engine broke after the first byte: it went out as 200, but
+# the metrics and the outlier detector must count it as the failure it was.
+STREAM_BROKEN = web.RequestKey("stream_broken", str)
 
 
 class RetryableFailure(Exception):
@@ -35,16 +42,19 @@ async def relay_answer(
     upstream: UpstreamResponse,
     request_id: str,
     on_first_byte: Callable[[], None],
+    tap: UsageTap | None = None,
 ) -> web.StreamResponse:
     """The engine's answer as the client's. `upstream.status` is below 500 (5xx is the caller's)."""
     if upstream.status != 200 or upstream.media_type != "text/event-stream":
         body = await upstream.read()
         on_first_byte()
+        if tap is not None and upstream.status == 200 and not upstream.content_encoding:
+            tap.whole(body)
         headers = {"Content-Type": upstream.content_type or "application/json", REQUEST_ID_HEADER: request_id}
         if upstream.content_encoding:
             headers["Content-Encoding"] = upstream.content_encoding
         return web.Response(status=upstream.status, body=body, headers=headers)
-    return await relay_stream(request, upstream, request_id, on_first_byte)
+    return await relay_stream(request, upstream, request_id, on_first_byte, tap)
 
 
 async def relay_stream(
@@ -52,6 +62,7 @@ async def relay_stream(
     upstream: UpstreamResponse,
     request_id: str,
     on_first_byte: Callable[[], None],
+    tap: UsageTap | None = None,
 ) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     pending = b""  # bytes of an event not yet complete
@@ -61,6 +72,7 @@ async def relay_stream(
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
+            request[STREAM_BROKEN] = describe(exc)
             await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
             return response
         if not chunk:
@@ -72,14 +84,18 @@ async def relay_stream(
                          REQUEST_ID_HEADER: request_id}
             )
             await response.prepare(request)
+            request[STREAMING_RESPONSE] = response
         pending += chunk
         cut = _events_end(pending)
         if cut:
-            if not await _write(response, pending[:cut]):
+            events = pending[:cut] if tap is None else tap.events(pending[:cut])
+            if events and not await _write(response, events):
                 return response
             pending = pending[cut:]
     if response is None:
         raise RetryableFailure("the engine closed the stream without sending anything")
+    if tap is not None:
+        pending = tap.end(pending)
     if pending and not await _write(response, pending):
         return response
     await response.write_eof()
@@ -101,8 +117,10 @@ async def _write(response: web.StreamResponse, data: bytes) -> bool:
     return True
 
 
-async def end_with_error(response: web.StreamResponse, message: str) -> None:
-    event = b"data: " + orjson.dumps(error_payload(502, message, code="upstream_stream_error")) + b"\n\n"
+async def end_with_error(
+    response: web.StreamResponse, message: str, status: int = 502, code: str = "upstream_stream_error"
+) -> None:
+    event = b"data: " + orjson.dumps(error_payload(status, message, code=code)) + b"\n\n"
     if await _write(response, event + SSE_DONE):
         await response.write_eof()
 

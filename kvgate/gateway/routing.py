@@ -14,8 +14,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from kvgate.config.settings import InstanceRole
+from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.protocol import ParsedRequest
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
@@ -141,12 +142,20 @@ class RoutePlanner:
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+        # A batched completion is routed on its first prompt, as one engine request. Splitting it
+        # would send prompts that usually share a long prefix (few-shot headers, evaluation
+        # templates) to different instances, losing the engine's reuse of that prefix inside the
+        # batch; and it would make the gateway assemble choice indexes, usage and interleaved
+        # stream chunks, and own partial failures, that the engine already handles as one request.
+        # The first prompt's prefix hit stands for the batch's; the account counts its miss once
+        # per prompt (forwarder.py).
         if request.prompt_ids is not None:
             return request.prompt_ids
         try:
+            special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "")
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", special)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
 

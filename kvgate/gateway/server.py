@@ -15,6 +15,8 @@ from aiohttp import web
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.app import build_app
+from kvgate.gateway.drain import DRAIN, DrainReport
+from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,11 @@ class GatewayHandle:
     async def close(self) -> None:
         await self.runner.cleanup()
 
+    async def drain(self, grace_s: float) -> DrainReport:
+        """Stop accepting and let requests in flight finish for `grace_s`, then end the rest
+        (gateway/drain.py); `close()` follows."""
+        return await self.app[DRAIN].drain(self.runner, grace_s)
+
 
 async def start_gateway(
     settings: Settings, *, kvs_index: EmbeddedKVSIndex | None = None, tokenizer: Any = None
@@ -43,7 +50,9 @@ async def start_gateway(
     """Serve a gateway on settings.host:settings.port (port 0 picks a free one; see handle.url)."""
     app = build_app(settings, kvs_index=kvs_index, tokenizer=tokenizer)
     # Handler cancellation: a client hang-up cancels its handler, which closes the upstream call.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout is also the header-read timeout (gateway/client_timeout.py).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=settings.client_request_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
     try:
@@ -56,7 +65,7 @@ async def start_gateway(
 
 
 def run_gateway(settings: Settings, tokenizer: Any = None) -> int:
-    """Serve until SIGINT/SIGTERM; uvloop when installed."""
+    """Serve until SIGINT/SIGTERM, then drain (--shutdown-grace-s); uvloop when installed."""
     try:
         import uvloop
     except ImportError:
@@ -89,6 +98,12 @@ async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
     print(f"kvgate gateway listening on {handle.url}", flush=True)
     try:
         await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, handle.app[DRAIN].hurry)
+        report = await handle.drain(settings.shutdown_grace_s)
+        log.info("drained: %d request(s) finished, %d ended by the drain; in-flight account entries left: %d",
+                 report.finished, report.cut, handle.app[GATEWAY].account.total_inflight())
     finally:
         await handle.close()
     return 0

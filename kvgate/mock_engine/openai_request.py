@@ -24,6 +24,7 @@ class GenerationRequest:
     parsed: ParsedRequest
     max_tokens: int
     include_usage: bool
+    n: int  # completions per prompt
 
 
 def parse_served(raw: bytes, chat: bool, served_model: str) -> ParsedRequest:
@@ -44,12 +45,10 @@ def parse_generation(raw: bytes, chat: bool, served_model: str) -> GenerationReq
         if body.get(field) is not None:
             max_tokens = _positive_int(body[field], field)
             break
-    if body.get("n", 1) != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
+    # Types were checked by the parser (n a positive integer, stream_options an object).
+    n = body.get("n") or 1
     options: Any = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
-    return GenerationRequest(parsed, max_tokens, bool(options.get("include_usage", False)))
+    return GenerationRequest(parsed, max_tokens, bool(options.get("include_usage", False)), n)
 
 
 def _positive_int(value: Any, field: str) -> int:

@@ -7,6 +7,7 @@ engine (aiohttp cancels the handler; its `finally` frees the slot).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections import deque
@@ -20,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
+from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError, error_middleware
-from kvgate.gateway.protocol import ParsedRequest, json_response
+from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_response
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
@@ -50,6 +52,8 @@ class MockEngineConfig:
     max_model_len: int = 0
     # Hash algorithm, chunk size (= block size), seed and key format: the gateway's, so keys match.
     settings: Settings = field(default_factory=Settings)
+    # usage.prompt_tokens_details.cached_tokens in answers, as vLLM with --enable-prompt-tokens-details.
+    report_cached_tokens: bool = True
     # A prefill or decode engine of a disaggregated fleet (mock_engine/pd.py); None: a whole engine.
     pd: PDRole | None = None
 
@@ -166,67 +170,92 @@ class MockEngine:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         generation = parse_generation(await request.read(), chat, self.config.model)
-        body = generation.parsed.body
-        self.received.append(body)
-        token_ids = await self._prompt_token_ids(generation.parsed)
+        self.received.append(generation.parsed.body)
+        prompts = await self._prompts_token_ids(generation.parsed)
         max_tokens = generation.max_tokens
-        self._check_length(len(token_ids), max_tokens)
-        block_keys = self._keyer.keys(token_ids)
-        exchange = await self._hand_off(body, token_ids, block_keys)
-        if exchange.handle is not None and self.config.pd is not None and self.config.pd.protocol == "sglang":
+        for token_ids in prompts:
+            self._check_length(len(token_ids), max_tokens)
+        exchange = await self._hand_off(generation, prompts)
+        if exchange.handle is not None and self.pd is not None and self.pd.role.protocol == "sglang":
             max_tokens = 1  # an SGLang prefill server computes the prompt and its first token only
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        engine_request = EngineRequest(request_id, block_keys, len(token_ids), max_tokens)
+        # As vLLM: one engine request per prompt of a batch; its n samples share the prompt's prefill.
+        engine_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            stream = self.loop.submit(engine_request)
-        except ValueError as exc:  # the prompt can never fit this engine's KV cache
-            raise APIError(400, str(exc), param="prompt") from None
-        try:
+            streams = []
+            for engine_id, token_ids in zip(engine_ids, prompts, strict=True):
+                request_blocks = self._keyer.keys(token_ids)
+                streams.append(self.loop.submit(EngineRequest(engine_id, request_blocks, len(token_ids), max_tokens)))
             shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
-            words = generated_words(self.config.seed, token_ids, max_tokens)
+            # Choice index = prompt index * n + sample index, as vLLM numbers a batch's choices.
+            words = [generated_words(self.config.seed + sample, token_ids, max_tokens)
+                     for token_ids in prompts for sample in range(generation.n)]
+            prompt_tokens = sum(len(token_ids) for token_ids in prompts)
             if generation.parsed.stream:
-                response = await self._stream(request, stream, shape, words, len(token_ids), generation, arrived,
+                response = await self._stream(request, streams, shape, words, prompt_tokens, generation, arrived,
                                               exchange)
             else:
-                response = await self._whole(stream, shape, words, len(token_ids), arrived, exchange)
+                response = await self._whole(streams, shape, words, prompt_tokens, generation.n, arrived, exchange)
             if self.pd is not None:
-                self.pd.offer(exchange, block_keys, len(token_ids))
+                self.pd.offer(exchange, self._keyer.keys(prompts[0]), prompt_tokens)
             return response
+        except ValueError as exc:  # a prompt can never fit this engine's KV cache
+            raise APIError(400, str(exc), param="prompt") from None
         finally:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
-            self.loop.cancel(request_id)
+            for engine_id in engine_ids:
+                self.loop.cancel(engine_id)
 
-    async def _hand_off(
-        self, body: dict[str, Any], token_ids: Sequence[int], block_keys: tuple[str, ...]
-    ) -> Exchange:
+    async def _hand_off(self, generation: GenerationRequest, prompts: list[Sequence[int]]) -> Exchange:
         """Prefill: where its blocks will be offered. Decode: pulls the prompt's blocks from the
         prefill engine into this engine's cache first."""
         if self.pd is None:
             return Exchange()
+        if len(prompts) != 1 or generation.n != 1:
+            raise APIError(400, f"{self.pd.role.role} instance: one prompt and n=1 per request")
+        body = generation.parsed.body
         if self.pd.role.role == "prefill":
             return self.pd.prefill_exchange(body, self.url)
-        exchange = await self.pd.receive(body, len(token_ids))
+        exchange = await self.pd.receive(body, len(prompts[0]))
         if exchange.received is not None:
+            block_keys = self._keyer.keys(prompts[0])
             if exchange.received.block_keys != block_keys:
                 raise APIError(400, "decode instance: the KV received is not this prompt's")
             self.core.cache.insert(block_keys)
         return exchange
 
+    async def _prompts_token_ids(self, parsed: ParsedRequest) -> list[Sequence[int]]:
+        """The token ids of every prompt: one, or each of a batched completion's."""
+        if parsed.batch is None:
+            return [await self._prompt_token_ids(parsed)]
+        if isinstance(parsed.batch[0], str):
+            special = add_special_tokens(parsed.body, chat=False)
+            return [await self._encode_text(text, special) for text in parsed.batch]  # type: ignore[arg-type]
+        return list(parsed.batch)  # type: ignore[arg-type]
+
     async def _prompt_token_ids(self, parsed: ParsedRequest) -> Sequence[int]:
         if parsed.prompt_ids is not None:
             return parsed.prompt_ids
+        special = add_special_tokens(parsed.body, parsed.chat)
+        if parsed.messages is None:
+            return await self._encode_text(parsed.prompt_text or "", special)
+        tokenizer = self._require_tokenizer()
+        try:
+            return await tokenizer.encode_chat(parsed.messages, chat_template_inputs(parsed.body), special)
+        except ValueError as exc:  # chat template errors: roles or content the template refuses
+            raise APIError(400, str(exc), param="messages") from None
+
+    async def _encode_text(self, text: str, add_special: bool) -> Sequence[int]:
+        return await self._require_tokenizer().encode_prompt(text, add_special)
+
+    def _require_tokenizer(self) -> TokenizerService:
         if self._tokenizer is None:
             raise APIError(
                 400,
                 "this engine was started without a tokenizer: send token ids as the prompt",
                 param="prompt",
             )
-        try:
-            if parsed.messages is not None:
-                return await self._tokenizer.encode_chat(parsed.messages)
-            return await self._tokenizer.encode_prompt(parsed.prompt_text or "")
-        except ValueError as exc:  # chat template errors: roles or content the template refuses
-            raise APIError(400, str(exc), param="messages" if parsed.chat else "prompt") from None
+        return self._tokenizer
 
     def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         limit = self.config.context_limit
@@ -256,9 +285,9 @@ class MockEngine:
     async def _stream(
         self,
         request: web.Request,
-        stream: RequestStream,
+        streams: list[RequestStream],
         shape: ResponseShape,
-        words: list[str],
+        words: list[list[str]],
         prompt_tokens: int,
         generation: GenerationRequest,
         arrived: float,
@@ -268,39 +297,51 @@ class MockEngine:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        opener = shape.first_chunk()
+        n = generation.n
 
-        async def send(start: int, count: int, finished: bool) -> None:
-            # As vLLM: the chat role chunk goes out with the first token, once prefill is done.
-            if start == 0 and opener is not None:
-                await response.write(sse(opener))
-            text = "".join(words[start : start + count])
-            await response.write(sse(shape.text_chunk(text, "length" if finished else None)))
+        def sender(prompt_index: int) -> Callable[[int, int, bool], Awaitable[None]]:
+            async def send(start: int, count: int, finished: bool) -> None:
+                for index in range(prompt_index * n, prompt_index * n + n):
+                    # As vLLM: the chat role chunk goes out with the first token, once prefill is done.
+                    opener = shape.first_chunk(index) if start == 0 else None
+                    if opener is not None:
+                        await response.write(sse(opener))
+                    text = "".join(words[index][start : start + count])
+                    await response.write(sse(shape.text_chunk(text, "length" if finished else None, index)))
 
-        exchange.cached_tokens = await self._events(stream, arrived, send)
+            return send
+
+        # The prompts of a batch progress together; their chunks interleave, each naming its choice.
+        cached = await asyncio.gather(*(self._events(stream, arrived, sender(i)) for i, stream in enumerate(streams)))
+        exchange.cached_tokens = sum(cached)
         if generation.include_usage:
-            await response.write(sse(shape.usage_chunk(
-                usage(prompt_tokens, len(words), exchange.reported_cached_tokens()))))
+            completion_tokens = sum(len(choice) for choice in words)
+            reported = exchange.reported_cached_tokens() if self.config.report_cached_tokens else None
+            await response.write(sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens, reported))))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
 
     async def _whole(
         self,
-        stream: RequestStream,
+        streams: list[RequestStream],
         shape: ResponseShape,
-        words: list[str],
+        words: list[list[str]],
         prompt_tokens: int,
+        n: int,
         arrived: float,
         exchange: Exchange,
     ) -> web.Response:
         async def ignore(start: int, count: int, finished: bool) -> None:
             return None
 
-        exchange.cached_tokens = await self._events(stream, arrived, ignore)
-        whole = shape.whole("".join(words), "length",
-                            usage(prompt_tokens, len(words), exchange.reported_cached_tokens()))
-        return json_response({**whole, **exchange.answer_fields})
+        cached = await asyncio.gather(*(self._events(stream, arrived, ignore) for stream in streams))
+        exchange.cached_tokens = sum(cached)
+        completion_tokens = sum(len(choice) for choice in words)
+        reported = exchange.reported_cached_tokens() if self.config.report_cached_tokens else None
+        body = shape.whole(["".join(choice) for choice in words], "length",
+                           usage(prompt_tokens, completion_tokens, reported))
+        return json_response({**body, **exchange.answer_fields})
 
 
 @dataclass

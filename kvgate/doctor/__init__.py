@@ -1,0 +1,1 @@
+"""`kvgate doctor`: checks a running deployment agrees with the gateway's configuration."""
