@@ -337,3 +337,14 @@ def test_mock_engine_pd_flags_are_checked(flags, message, capsys):
 
     assert main(["mock-engine", "--port", "0", *flags, "--check"]) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_batched_prompts_and_n_are_refused_for_a_disaggregated_model(fleet):
+    _, prefill, decode, gateway, _ = fleet
+    c = client(gateway.url)
+    with pytest.raises(openai.BadRequestError, match="one prompt per request and n=1"):
+        await c.completions.create(model=MODEL, prompt=["first", "second"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="one prompt per request and n=1"):
+        await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=2)
+    assert list(prefill.engine.received) == list(decode.engine.received) == []
+    await assert_nothing_in_flight(gateway)

@@ -86,6 +86,10 @@ class PDForwarder:
     ) -> web.StreamResponse:
         pd = plan.pd
         assert pd is not None
+        if parsed.batch is not None or body.get("n") not in (None, 1):
+            # One hand-off carries one prompt's KV (one room, one transfer id) to one sequence.
+            raise APIError(400, f"'{parsed.model}' is served disaggregated (prefill/decode): send one prompt "
+                           "per request and n=1", param="n" if parsed.batch is None else "prompt")
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         prefills = _routable(self._registry, pd.prefill.ranking)
         decodes = _routable(self._registry, pd.decode.ranking)
