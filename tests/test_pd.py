@@ -348,3 +348,26 @@ async def test_batched_prompts_and_n_are_refused_for_a_disaggregated_model(fleet
         await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=2)
     assert list(prefill.engine.received) == list(decode.engine.received) == []
     await assert_nothing_in_flight(gateway)
+
+
+async def test_the_prefill_answer_feeds_the_hit_accounting():
+    """vLLM's prefill answer reports the cached tokens the prefill instance found: the gateway compares
+    them with the prefix hit it predicted from the store (here the demo's embedded index)."""
+    from kvgate.config.settings import DispatchPolicy, PDProtocol
+    from kvgate.demo.fleet import FleetSpec, running_fleet
+
+    spec = FleetSpec(4, MockEngineConfig(time_scale=0.02), pd_protocol=PDProtocol.VLLM)
+    prompt = list(range(1000, 2400))  # long enough for cache-aware routing to ask the store
+    async with running_fleet(spec, DispatchPolicy.CACHE_AWARE, tokenizer()) as url:
+        for _ in range(2):  # the second time, the prefill instance that computed it holds it
+            await client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as answer:
+            text = await answer.text()
+    reported = predicted = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvgate_reported_cached_tokens_total{"):
+            assert 'instance="engine-0"' in line or 'instance="engine-1"' in line  # prefill instances only
+            reported += float(line.rsplit(" ", 1)[1])
+        if line.startswith("kvgate_predicted_cached_tokens_total{"):
+            predicted += float(line.rsplit(" ", 1)[1])
+    assert reported == predicted == len(prompt) // 256 * 256

@@ -76,7 +76,7 @@ class Forwarder:
         self._pd = PDForwarder(
             upstream, make_handoff(settings.pd_protocol), registry, tracker,
             decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, self._max_attempts,
-            self.relay_from, self._observe_hit_ratio,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit,
         ) if settings.pd_protocol is not None else None
 
     async def forward(
@@ -147,6 +147,15 @@ class Forwarder:
         if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
             return {**parsed.body, "prompt": plan.prompt_ids}
         return parsed.body
+
+    def _record_prefill_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, answer: bytes,
+                            request_id: str) -> None:
+        """A disaggregated request: the prefill instance's JSON answer reports what it found cached."""
+        if self._hits is None or not _comparable(parsed, plan):
+            return
+        tap = UsageTap(strip_usage_chunk=False)
+        tap.whole(answer)
+        self._record_hit(parsed, plan, instance_id, tap, request_id)
 
     def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
                     request_id: str) -> None:

@@ -40,6 +40,9 @@ Side = Literal["prefill", "decode", "both"]
 # OpenAI's default max_tokens, counted for a request that names none.
 DEFAULT_MAX_TOKENS = 16
 RelayFrom = Callable[..., Awaitable[web.StreamResponse]]
+# (parsed, plan, prefill instance id, its JSON answer, request id): the prefill instance's usage
+# reports the cached tokens it found, which the hit accounting compares with the prediction.
+RecordPrefillHit = Callable[[ParsedRequest, RoutePlan, str, bytes, str], None]
 
 
 class PairFailure(Exception):
@@ -67,6 +70,7 @@ class PDForwarder:
         max_attempts: int,
         relay_decode: RelayFrom,
         observe_hit_ratio: Callable[[RoutePlan, str], None],
+        record_prefill_hit: RecordPrefillHit,
     ) -> None:
         self._upstream = upstream
         self._handoff = handoff
@@ -78,6 +82,7 @@ class PDForwarder:
         # The forwarder's relay of one instance's answer (post, 5xx check, relay.py, first byte).
         self._relay_decode = relay_decode
         self._observe_hit_ratio = observe_hit_ratio
+        self._record_prefill_hit = record_prefill_hit
         self._sequence = itertools.count()
 
     async def forward(
@@ -115,8 +120,8 @@ class PDForwarder:
                     payload = orjson.dumps(self._handoff.local_body(body))
                     return await self._decode_only(request, decode_key, decode, path, payload, headers,
                                                    request_id, arrived)
-                return await self._pair(request, key, plan, prefill, decode, path, body, headers, request_id,
-                                        arrived)
+                return await self._pair(request, key, parsed, plan, prefill, decode, path, body, headers,
+                                        request_id, arrived)
             except PairFailure as failure:
                 last_failed = prefill.id if failure.side == "prefill" and prefill else decode.id
                 failures.append(f"{last_failed}: {failure}")
@@ -143,8 +148,8 @@ class PDForwarder:
             raise PairFailure("decode", str(failure)) from None
 
     async def _pair(
-        self, request: web.Request, key: str, plan: RoutePlan, prefill: InstanceState, decode: InstanceState,
-        path: str, body: dict[str, Any], headers: str, request_id: str, arrived: float,
+        self, request: web.Request, key: str, parsed: ParsedRequest, plan: RoutePlan, prefill: InstanceState,
+        decode: InstanceState, path: str, body: dict[str, Any], headers: str, request_id: str, arrived: float,
     ) -> web.StreamResponse:
         try:
             exchange = await self._handoff.attempt(body, prefill.config, request_id)
@@ -160,14 +165,19 @@ class PDForwarder:
                 answer = await prefill_task
                 if answer.status != 200:
                     return _as_response(answer, request_id)
+                self._record_prefill_hit(parsed, plan, prefill.id, answer.body, request_id)
                 try:
                     decode_body = exchange.decode_body(orjson.loads(answer.body))
                 except (HandOffError, orjson.JSONDecodeError, AttributeError) as exc:
                     raise PairFailure("prefill", f"unusable prefill answer: {exc}") from None
                 return await self._decode_only(request, decode_key, decode, path, orjson.dumps(decode_body),
                                                headers, request_id, arrived)
-            return await self._concurrent(request, prefill_task, decode_key, decode, path,
-                                          orjson.dumps(exchange.decode_body(None)), headers, request_id, arrived)
+            response = await self._concurrent(request, prefill_task, decode_key, decode, path,
+                                              orjson.dumps(exchange.decode_body(None)), headers, request_id, arrived)
+            answer = _prefill_answer(prefill_task)
+            if answer is not None and answer.status == 200 and answer.content_type.startswith("application/json"):
+                self._record_prefill_hit(parsed, plan, prefill.id, answer.body, request_id)
+            return response
         finally:
             prefill_task.cancel()
             await asyncio.gather(prefill_task, return_exceptions=True)
@@ -217,6 +227,12 @@ class PDForwarder:
         finally:
             upstream.release()
             self._tracker.release(key)
+
+
+def _prefill_answer(task: asyncio.Task[_PrefillAnswer]) -> _PrefillAnswer | None:
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return task.result()
+    return None
 
 
 def _prefill_failure(task: asyncio.Task[_PrefillAnswer]) -> PairFailure | None:
