@@ -17,6 +17,8 @@ the lowest rank's and remembers it until a lookup fails).
 
 from __future__ import annotations
 
+import secrets
+
 import aiohttp
 
 from kvgate.config.settings import InstanceConfig
@@ -45,7 +47,8 @@ class _Attempt(PairAttempt):
         self._body = body
         self._mooncake_addr = mooncake_bootstrap_addr(prefill)
         self._engine_id = engine_id
-        self._transfer_id = f"xfer-{request_id}"
+        # New for every try: a retry must not meet the KV a failed try left under the same id.
+        self._transfer_id = f"xfer-{request_id}-{secrets.token_hex(4)}"
         params = dict(_REMOTE_DECODE)
         if self._mooncake_addr:
             params["transfer_id"] = self._transfer_id
