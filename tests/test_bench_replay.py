@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.bench.replay import ReplayConfig, format_report, replay_trace
-from kvgate.config.settings import DispatchPolicy, InstanceConfig, KVSBackendName, Settings
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import EmbeddedKVSIndex
@@ -62,7 +62,7 @@ class Fleet:
 @pytest.fixture
 async def fleet() -> AsyncIterator[Fleet]:
     index = EmbeddedKVSIndex()
-    settings = Settings(kvs_backend=KVSBackendName.EMBEDDED, dispatch_policy=DispatchPolicy.CACHE_AWARE)
+    settings = Settings(kvs_backend=KVSBackendName.EMBEDDED, dispatch_policy="cache_aware")
     engines = []
     for endpoint in ("127.0.0.2", "127.0.0.3"):
         publisher = await open_publisher(PublisherOptions("embedded", settings, local_ip=endpoint), index)

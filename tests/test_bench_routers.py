@@ -28,7 +28,7 @@ from kvgate.bench.routers import (
     serves_tokenize,
     table_rows,
 )
-from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.config.settings import Settings
 
 WORKERS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 
@@ -89,7 +89,7 @@ def test_kvgate_config_is_valid_settings():
     engines = [Engine("http://127.0.0.1:9001", "127.0.0.2"), Engine("http://127.0.0.1:9002", "127.0.0.3")]
     config = kvgate_config("cache_aware", 8300, engines, "redis://127.0.0.1:6390/0", tokenizer="")
     settings = Settings.model_validate(config)
-    assert settings.effective_policy == DispatchPolicy.CACHE_AWARE
+    assert settings.effective_policy == "cache_aware"
     assert [i.kvs_endpoints for i in settings.instances] == [("127.0.0.2",), ("127.0.0.3",)]
     assert settings.kvs_redis_url == "redis://127.0.0.1:6390/0" and settings.host == "127.0.0.1"
 

@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from kvgate.config import ConfigError, DispatchPolicy, Settings, add_settings_arguments, load_settings
+from kvgate.config import ConfigError, Settings, add_settings_arguments, load_settings
+from kvgate.scheduler.registry import check_settings
 
 
 def cli(*argv: str) -> dict:
@@ -34,7 +35,7 @@ def test_defaults_keep_llumnix_names_and_values():
         "0",
     )
     assert settings.kvs_hash_algo == "sha256_cbor" and settings.kvs_iris_meta_prefix == "iris."
-    assert settings.effective_policy == DispatchPolicy.LEAST_LOAD
+    assert settings.effective_policy == "least_load"
 
 
 def test_each_layer_overrides_the_one_below(yaml_file):
@@ -101,8 +102,9 @@ def test_instances_come_from_the_file(yaml_file):
     ],
 )
 def test_errors_name_the_flag_the_source_and_the_value(values, environ, expected):
+    # What every command runs at start-up: the settings, then the scheduler's names and parameters.
     with pytest.raises(ConfigError) as caught:
-        load_settings(values, environ=environ)
+        check_settings(load_settings(values, environ=environ))
     message = str(caught.value)
     assert message.startswith("configuration error:")
     for part in expected:

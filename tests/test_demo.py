@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from kvgate.cli import main
-from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.config.settings import Settings
 from kvgate.demo.fleet import FleetSpec, running_fleet
 from kvgate.demo.report import ROWS, format_table
 from kvgate.demo.runner import run_demo
@@ -65,7 +65,7 @@ async def test_demo_runs_both_policies_and_prints_the_table(tokenizer):
         turns=(2, 3),
     )
     runs = await run_demo(_spec(2), conversation_requests(workload), tokenizer, progress=False)
-    assert [run.policy for run in runs] == [DispatchPolicy.ROUND_ROBIN, DispatchPolicy.CACHE_AWARE]
+    assert [run.policy for run in runs] == ["round_robin", "cache_aware"]
     for run in runs:
         assert run.summary.completed == 16 and not run.summary.errors
         assert run.summary.prompt_tokens == sum(
@@ -129,7 +129,7 @@ async def test_fleet_routes_on_blocks_the_mooncake_master_reports(mooncake_maste
     )
     spec = _spec(3, mooncake_master)
     async with (
-        running_fleet(spec, DispatchPolicy.CACHE_AWARE, tokenizer) as url,
+        running_fleet(spec, "cache_aware", tokenizer) as url,
         aiohttp.ClientSession() as session,
     ):
         cached = []

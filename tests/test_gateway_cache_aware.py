@@ -12,7 +12,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from kvgate.config.settings import DispatchPolicy, InstanceConfig, KVSBackendName, Settings
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.engine_model import ServiceProfile
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.tokenizer import TokenizerService
@@ -47,7 +47,7 @@ async def test_requests_go_where_the_store_holds_their_prefix(mooncake_master, t
         kvs_metadata_service_http_server_port=int(port),
         kvs_query_budget_ms=2000,
         kvs_chunk_size=CHUNK,
-        dispatch_policy=DispatchPolicy.CACHE_AWARE,
+        dispatch_policy="cache_aware",
         cache_aware_scheduling_min_tokens=CHUNK,
     )
     engine_config = MockEngineConfig(time_scale=0.01, settings=base,

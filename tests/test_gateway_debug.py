@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvgate.config.settings import DispatchPolicy, KVSBackendName
+from kvgate.config.settings import KVSBackendName
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
@@ -32,7 +32,7 @@ async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
 
 
 def cache_aware(upstreams, **overrides):
-    values = {"dispatch_policy": DispatchPolicy.CACHE_AWARE, "kvs_chunk_size": CHUNK,
+    values = {"dispatch_policy": "cache_aware", "kvs_chunk_size": CHUNK,
               "cache_aware_scheduling_min_tokens": CHUNK}
     values.update(overrides)
     settings = gateway_settings({u.name: u.url for u in upstreams}, MODEL, **values)

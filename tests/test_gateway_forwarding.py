@@ -11,7 +11,6 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from kvgate.config.settings import DispatchPolicy
 from kvgate.gateway.server import start_gateway
 from tests.gateway_helpers import (
     assert_nothing_in_flight,
@@ -86,7 +85,7 @@ async def test_refused_connection_is_retried_on_the_next_instance(fleet):
     # Round robin puts the dead instance first for every other request; all must still succeed.
     gateway, upstreams = await fleet(
         {"dead": closed_port_url(), "alive": Script()},
-        dispatch_policy=DispatchPolicy.ROUND_ROBIN, health_check_failures_to_eject=100,
+        dispatch_policy="round_robin", health_check_failures_to_eject=100,
     )
     for _ in range(4):
         answer = await client(gateway.url).completions.create(model=MODEL, prompt="hello")
@@ -98,7 +97,7 @@ async def test_refused_connection_is_retried_on_the_next_instance(fleet):
 
 async def test_5xx_before_the_first_byte_is_retried_elsewhere(fleet):
     gateway, upstreams = await fleet({"broken": Script(status=500), "good": Script()},
-                                     dispatch_policy=DispatchPolicy.ROUND_ROBIN)
+                                     dispatch_policy="round_robin")
     for stream in (False, True, False, True):
         status, _, body = await raw_post(gateway.url, "/v1/completions",
                                          {"model": MODEL, "prompt": "p", "stream": stream})
@@ -131,7 +130,7 @@ async def test_retries_stop_at_forward_retries_and_answer_502(fleet):
 
 async def test_failure_after_the_first_byte_ends_the_stream_with_an_error_event(fleet):
     gateway, upstreams = await fleet({"a": Script(chunks=6, die_after_chunks=2), "b": Script()},
-                                     dispatch_policy=DispatchPolicy.ROUND_ROBIN)
+                                     dispatch_policy="round_robin")
     received = []
     stream = await client(gateway.url).completions.create(model=MODEL, prompt="p", stream=True)
     with pytest.raises(openai.APIError, match="failed mid-stream"):

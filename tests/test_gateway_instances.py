@@ -8,7 +8,6 @@ import asyncio
 import aiohttp
 import pytest
 
-from kvgate.config.settings import DispatchPolicy
 from kvgate.gateway.engine_stats import parse_engine_stats
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.state import GATEWAY
@@ -65,7 +64,7 @@ async def test_admin_routes_need_the_right_bearer_token(upstreams):
 async def test_add_drain_remove_at_run_time(upstreams):
     handle = await start_gateway(
         gateway_settings({"a": upstreams["a"].url}, MODEL, admin_token=TOKEN,
-                         dispatch_policy=DispatchPolicy.ROUND_ROBIN),
+                         dispatch_policy="round_robin"),
         tokenizer=tokenizer(),
     )
     try:
@@ -94,7 +93,7 @@ async def test_add_drain_remove_at_run_time(upstreams):
 async def test_drain_lets_in_flight_streams_finish(upstreams):
     upstreams["a"].script = Script(chunks=20, delay_s=0.02)
     handle = await start_gateway(gateway_settings({"a": upstreams["a"].url, "b": upstreams["b"].url}, MODEL,
-                                                  admin_token=TOKEN, dispatch_policy=DispatchPolicy.ROUND_ROBIN),
+                                                  admin_token=TOKEN, dispatch_policy="round_robin"),
                                  tokenizer=tokenizer())
     try:
         async def long_stream() -> bytes:

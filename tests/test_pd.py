@@ -272,12 +272,12 @@ async def test_sglang_engines_export_sglang_metric_names():
 
 
 async def test_the_demo_runs_a_disaggregated_fleet():
-    from kvgate.config.settings import DispatchPolicy, PDProtocol
+    from kvgate.config.settings import PDProtocol
     from kvgate.demo.fleet import FleetSpec, running_fleet
 
     spec = FleetSpec(4, MockEngineConfig(time_scale=0.02), pd_protocol=PDProtocol.SGLANG)
     assert [spec.role(i).value for i in range(4)] == ["prefill", "prefill", "decode", "decode"]
-    async with running_fleet(spec, DispatchPolicy.CACHE_AWARE, tokenizer()) as url:
+    async with running_fleet(spec, "cache_aware", tokenizer()) as url:
         answer = await client(url).completions.create(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=3)
         assert len(answer.choices[0].text.split()) == 3
 
@@ -353,12 +353,12 @@ async def test_batched_prompts_and_n_are_refused_for_a_disaggregated_model(fleet
 async def test_the_prefill_answer_feeds_the_hit_accounting():
     """vLLM's prefill answer reports the cached tokens the prefill instance found: the gateway compares
     them with the prefix hit it predicted from the store (here the demo's embedded index)."""
-    from kvgate.config.settings import DispatchPolicy, PDProtocol
+    from kvgate.config.settings import PDProtocol
     from kvgate.demo.fleet import FleetSpec, running_fleet
 
     spec = FleetSpec(4, MockEngineConfig(time_scale=0.02), pd_protocol=PDProtocol.VLLM)
     prompt = list(range(1000, 2400))  # long enough for cache-aware routing to ask the store
-    async with running_fleet(spec, DispatchPolicy.CACHE_AWARE, tokenizer()) as url:
+    async with running_fleet(spec, "cache_aware", tokenizer()) as url:
         for _ in range(2):  # the second time, the prefill instance that computed it holds it
             await client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=2)
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as answer:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvgate.config import InstanceRole, Settings
 from kvgate.scheduler.account import EngineStats, LoadAccount
-from kvgate.scheduler.policies import make_policy
+from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.types import Candidate, InstanceLoad, RoutingRequest
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvgate.config import Settings
+from kvgate.config.key_formats import check_key_format
 from kvgate.config.loader import ConfigError, load_settings
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
-from kvgate.scheduler.key_formats import check_key_format, make_key_format
+from kvgate.scheduler.key_formats import make_key_format
 
 
 def keys(tokens, chunk, save=False, **fields):

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from kvgate.config import Settings
 from kvgate.config.settings import InstanceRole
-from kvgate.scheduler.policies import make_policy
-from kvgate.scheduler.scheduling_metrics import METRICS
+from kvgate.scheduler.registry import build_metrics, make_policy
 from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest
 
+METRICS = build_metrics(Settings(cache_aware_queued_tokens_weight=1.0))  # Llumnix's weight
 NEUTRAL, PREFILL, DECODE = InstanceRole.NEUTRAL, InstanceRole.PREFILL, InstanceRole.DECODE
 
 

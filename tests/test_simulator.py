@@ -40,7 +40,7 @@ def test_cache_aware_routing_finds_prefixes_round_robin_scatters(prefix_trace):
     # 40 blocks per instance hold ~4 documents: only routing by prefix keeps them warm.
     profile = trace_profile(cache_capacity_blocks=40)
     hit = {
-        policy: simulate(prefix_trace, settings(policy), 4, profile).summary.prefix_hit_ratio
+        policy: simulate(prefix_trace, settings(policy), 4, profile, store_model="local").summary.prefix_hit_ratio
         for policy in ("round_robin", "cache_aware", "prefix")
     }
     ideal = ideal_hit_ratio(prefix_trace)
@@ -53,10 +53,11 @@ def test_scheduler_settings_reach_the_simulated_gateway(prefix_trace):
     # Raising the cache-aware threshold above every prompt turns cache_aware into least_load.
     profile = trace_profile(cache_capacity_blocks=40)
     high = simulate(
-        prefix_trace, settings("cache_aware", cache_aware_scheduling_min_tokens=10**6), 4, profile
+        prefix_trace, settings("cache_aware", cache_aware_scheduling_min_tokens=10**6), 4, profile,
+        store_model="local",
     )
-    least = simulate(prefix_trace, settings("least_load"), 4, profile)
-    aware = simulate(prefix_trace, settings("cache_aware"), 4, profile)
+    least = simulate(prefix_trace, settings("least_load"), 4, profile, store_model="local")
+    aware = simulate(prefix_trace, settings("cache_aware"), 4, profile, store_model="local")
     assert high.ttfts == least.ttfts
     assert aware.summary.prefix_hit_ratio > high.summary.prefix_hit_ratio
 
@@ -69,6 +70,7 @@ def test_replay_leaves_no_account_and_index_equals_the_engines_caches(prefix_tra
         4,
         profile,
         reference=hit_ratio_reference(prefix_trace, 4 * 40),
+        store_model="local",
     )
     result = replay.run()
     assert result.summary.requests == len(prefix_trace) == len(result.ttfts)
@@ -86,7 +88,8 @@ def test_same_seed_same_results(prefix_trace):
     profile = trace_profile(cache_capacity_blocks=40)
     # top-k 2 makes the scheduler draw random numbers: the seed must fix them.
     runs = [
-        simulate(prefix_trace, settings("cache_aware", dispatch_top_k=2), 4, profile, seed=seed)
+        simulate(prefix_trace, settings("cache_aware", dispatch_top_k=2), 4, profile, seed=seed,
+                 store_model="local")
         for seed in (7, 7, 8)
     ]
     assert runs[0].ttfts == runs[1].ttfts

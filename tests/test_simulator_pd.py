@@ -18,7 +18,7 @@ RATE = 50_000.0  # prompt tokens per second of KV transfer
 def test_every_request_is_prefilled_then_decoded_and_nothing_stays_in_flight(tmp_path):
     trace = read_trace(write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(120)))
     replay = PDReplay(trace, settings("cache_aware"), 2, 2, trace_profile(cache_capacity_blocks=40),
-                      kv_transfer_tokens_per_s=RATE)
+                      kv_transfer_tokens_per_s=RATE, store_model="local")
     result = replay.run()
     assert result.summary.requests == len(trace)
     prefill = [i for i in replay.instances if i.config.role == InstanceRole.PREFILL]
@@ -26,7 +26,7 @@ def test_every_request_is_prefilled_then_decoded_and_nothing_stays_in_flight(tmp
     assert sum(i.requests for i in prefill) == sum(i.requests for i in decode) == len(trace)
     # Every first token comes from a decode instance after the prompt's transfer.
     assert all(ttft >= r.input_length / RATE for ttft, r in zip(result.ttfts, trace, strict=True))
-    assert all(tbt > 0 for tbt in result.tbts) and len(result.tbts) == len(trace)
+    assert all(tbt > 0 for tbt in result.tbts) and len(result.tbts) == len(trace)  # 30 output tokens each
     assert replay.account.total_inflight() == 0 and len(replay.ledger) == 0
     # The decode engines computed only the partial last blocks: the rest arrived as KV.
     for inst in decode:
@@ -37,7 +37,7 @@ def test_every_request_is_prefilled_then_decoded_and_nothing_stays_in_flight(tmp
 def test_skip_prefill_sends_short_uncached_prompts_to_decode_alone(tmp_path):
     trace = read_trace(write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(60)))
     replay = PDReplay(trace, settings("cache_aware", pd_skip_prefill_below_tokens=10**6), 1, 1,
-                      trace_profile(cache_capacity_blocks=40), kv_transfer_tokens_per_s=RATE)
+                      trace_profile(cache_capacity_blocks=40), kv_transfer_tokens_per_s=RATE, store_model="local")
     replay.run()
     prefill, decode = replay.instances
     assert prefill.requests == 0 and decode.requests == len(trace)
@@ -46,7 +46,7 @@ def test_skip_prefill_sends_short_uncached_prompts_to_decode_alone(tmp_path):
 def test_cli_compares_pd_with_as_many_neutral_instances(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(60))
     assert main(["simulate", "--trace", str(path), "--prefill-instances", "2", "--decode-instances", "1",
-                 "--cache-capacity-blocks", "40", "--json"]) == 0
+                 "--cache-capacity-blocks", "40", "--store-model", "local", "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert [f["fleet"] for f in body["fleets"]] == ["neutral x3", "pd 2P+1D"]
     for fleet in body["fleets"]:

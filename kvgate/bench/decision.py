@@ -27,8 +27,8 @@ from tabulate import tabulate
 from kvgate.bench.loadgen import LatencyStats
 from kvgate.config.settings import HashAlgo, InstanceConfig, InstanceRole, Settings
 from kvgate.scheduler.hashing import BlockHash, hash_sha256_cbor_with_cbor2
-from kvgate.scheduler.policies import make_policy
 from kvgate.scheduler.prefix import prefix_hit_tokens
+from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.types import Candidate, InstanceLoad, RoutingRequest
 

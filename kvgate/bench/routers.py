@@ -44,8 +44,9 @@ from kvgate.bench.loadgen import (
     in_own_process,
 )
 from kvgate.bench.replay import ReplayConfig, replay_in_process
-from kvgate.config.settings import DispatchPolicy, Settings
+from kvgate.config.settings import Settings
 from kvgate.kvs_client.launch import LocalProcess, ServiceStartError, free_port, start_redis_server
+from kvgate.scheduler.registry import POLICY_NAMES
 from kvgate.simulator.trace import TraceError, ideal_hit_ratio, read_trace
 
 KVGATE = "kvgate"
@@ -73,7 +74,7 @@ class Target:
         if router not in (KVGATE, *peers.PEER_VERSIONS):
             raise ValueError(f"unknown router {router!r}; choose from {[KVGATE, *peers.PEER_VERSIONS, DIRECT]}")
         # kvgate takes any of its dispatch policies (e.g. kvgate:prefix); peers the two they share.
-        policies = [p.value for p in DispatchPolicy] if router == KVGATE else list(peers.PEER_POLICIES)
+        policies = list(POLICY_NAMES) if router == KVGATE else list(peers.PEER_POLICIES)
         if policy not in policies:
             raise ValueError(f"{text!r}: policy must be one of {policies}")
         return cls(router, policy)

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "overhead": "kvgate.bench.overhead",
     "replay": "kvgate.bench.replay",
     "routers": "kvgate.bench.routers",
+    "soak": "kvgate.bench.soak",
 }
 
 

@@ -10,9 +10,9 @@ import argparse
 import os
 import sys
 
+from kvgate.config.key_formats import check_key_format
 from kvgate.config.loader import SEED_ENV
 from kvgate.config.settings import HashAlgo, Settings
-from kvgate.scheduler.key_formats import check_key_format
 
 
 def add_parser(subparsers) -> None:

@@ -25,7 +25,7 @@ _SETTINGS_FIELDS = (
     "host",
     "tokenizer",
     "chat_template",
-    "tokenize_cache_size",
+    "tokenize_cache_bytes",
     "hash_seed",
     "kvs_hash_algo",
     "kvs_chunk_size",
@@ -215,7 +215,7 @@ async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: Pu
         loop.add_signal_handler(sig, stop.set)
     s = config.settings
     tokenizer = TokenizerService(
-        await asyncio.to_thread(load_tokenizer, s.tokenizer, s.chat_template), s.tokenize_cache_size
+        await asyncio.to_thread(load_tokenizer, s.tokenizer, s.chat_template), s.tokenize_cache_bytes
     )
     try:
         publisher = await open_publisher(options)

@@ -17,6 +17,7 @@ from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, Settings
+from kvgate.scheduler.registry import check_settings
 
 
 def add_parser(subparsers) -> None:
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     cli_values = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
     try:
         settings = load_settings(cli_values, config_path=args.config)
+        check_settings(settings)
         check_pd_serving(settings.instances, settings.pd_protocol)
     except (ConfigError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
@@ -69,7 +71,7 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
     lines = [
         "configuration OK",
         f"  listen:      {settings.host}:{settings.port}",
-        f"  policy:      {settings.effective_policy.value}"
+        f"  policy:      {settings.effective_policy}"
         f" (cache aware from {settings.cache_aware_scheduling_min_tokens} tokens)",
         f"  kv store:    {settings.kvs_backend.value}, {settings.kvs_hash_algo.value},"
         f" chunk {settings.kvs_chunk_size}, keys {settings.kvs_key_format}",

@@ -3,7 +3,9 @@
 Every request is routed by the gateway's own scheduler (same policies, same dispatch account, a
 real embedded KV index the simulated engines publish to), so policies and their flags can be
 compared on an hour of traffic in seconds. `--time-scale` multiplies the trace's timestamps:
-0.5 replays it twice as fast. Scheduler flags are the `kvgate serve` flags.
+0.5 replays it twice as fast. Scheduler flags are the `kvgate serve` flags, including the SLO ones
+(`--ttft-slo-s`, `--tbt-slo-s`, `--early-rejection`). `--store-model shared` (default) puts the
+instances' DRAM in one pool any of them loads from; `local` gives each its own cache.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import orjson
 from tabulate import tabulate
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
-from kvgate.config.settings import DispatchPolicy, Settings
-from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS
+from kvgate.config.settings import Settings
+from kvgate.scheduler.registry import POLICY_NAMES, check_settings
+from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS, STORE_MODELS
 
-_POLICIES = [p.value for p in DispatchPolicy]
 # Columns of the comparison table: (summary field, header, format).
 _COLUMNS = (
     ("policy", "policy", "{}"),
@@ -30,6 +32,10 @@ _COLUMNS = (
     ("p99_ttft_s", "p99 TTFT s", "{:.3f}"),
     ("mean_queue_s", "mean queue s", "{:.3f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
+    ("transfer_tokens", "transfer tok", "{}"),
+    ("rejected", "rejected", "{}"),
+    ("slo_attainment", "within SLO", "{:.1%}"),
+    ("goodput_rps", "goodput/s", "{:.2f}"),
     ("prefill_busy_ratio", "prefill busy", "{:.0%}"),
     ("max_instance_requests", "max/inst", "{}"),
     ("min_instance_requests", "min/inst", "{}"),
@@ -52,7 +58,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--policy",
         dest="dispatch_policy",
-        choices=_POLICIES,
+        choices=POLICY_NAMES,
         default=argparse.SUPPRESS,
         help="same as --dispatch-policy",
     )
@@ -71,7 +77,15 @@ def add_parser(subparsers) -> None:
         type=int,
         default=DEFAULT_CACHE_BLOCKS,
         help=f"reusable KV cache of each instance in 512-token blocks (default {DEFAULT_CACHE_BLOCKS}: "
-        f"HBM {HBM_BLOCKS} + host DRAM in the Mooncake store; {HBM_BLOCKS} = HBM only)",
+        f"HBM {HBM_BLOCKS} + host DRAM in the Mooncake store; with --store-model shared an eighth is HBM, "
+        f"the rest the instance's DRAM segment; {HBM_BLOCKS} with local = HBM only)",
+    )
+    parser.add_argument(
+        "--store-model",
+        choices=STORE_MODELS,
+        default="shared",
+        help="shared (default): HBM per instance + a DRAM segment each in one pool any instance loads from"
+        " (host link for its own, network for others'); local: one free cache per instance, no sharing",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler's random choices")
     # --- prefill/decode disaggregation (docs/PD.md) ---
@@ -100,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--instances and --limit must be >= 1")
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
+        check_settings(base)
         requests = read_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -110,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     reference = hit_ratio_reference(requests, args.num_instances * profile.cache_capacity_blocks)
     show_progress = not args.json and sys.stderr.isatty()
     results = {}
-    for policy in policies or [base.effective_policy.value]:
-        settings = base.model_copy(update={"dispatch_policy": DispatchPolicy(policy)}) if policies else base
+    for policy in policies or [base.effective_policy]:
+        settings = base.model_copy(update={"dispatch_policy": policy}) if policies else base
         try:
             results[policy] = simulate(
                 requests,
@@ -121,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 show_progress=show_progress,
                 reference=reference,
+                store_model=args.store_model,
             )
         except ValueError as exc:
             print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -130,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         "trace": args.trace,
         "instances": args.num_instances,
         "time_scale": args.time_scale,
+        "store_model": args.store_model,
         "cache_capacity_blocks": profile.cache_capacity_blocks,
         "ideal_hit_ratio": reference.ideal,
         "fleet_lru_hit_ratio": reference.fleet_lru,
@@ -184,9 +201,10 @@ def _run_pd(args: argparse.Namespace, settings: Settings, requests, profile) -> 
     try:
         runs = {
             f"neutral x{prefill + decode}": simulate(requests, settings, prefill + decode, profile, seed=args.seed,
-                                                      show_progress=show_progress),
+                                                      show_progress=show_progress, store_model=args.store_model),
             f"pd {prefill}P+{decode}D": simulate_pd(requests, settings, prefill, decode, profile, seed=args.seed,
-                                                    kv_transfer_tokens_per_s=rate, show_progress=show_progress),
+                                                    kv_transfer_tokens_per_s=rate, show_progress=show_progress,
+                                                    store_model=args.store_model),
         }
     except ValueError as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -199,14 +217,15 @@ def _run_pd(args: argparse.Namespace, settings: Settings, requests, profile) -> 
             "requests", "prefix_hit_ratio", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "wall_time_s")},
             **{f"p{q}_tbt_ms": percentile(tbts, q) * 1000 if tbts else None for q in (50, 90, 99)}})
     if args.json:
-        body = {"trace": args.trace, "policy": settings.effective_policy.value, "time_scale": args.time_scale,
+        body = {"trace": args.trace, "policy": settings.effective_policy, "time_scale": args.time_scale,
+                "store_model": args.store_model,
                 "kv_transfer_tokens_per_s": rate, "fleets": rows}
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     table = tabulate([[_cell(fmt, row[field]) for field, _, fmt in _PD_COLUMNS] for row in rows],
                      headers=[h for _, h, _ in _PD_COLUMNS], disable_numparse=True)
-    print(f"trace {args.trace}: {len(requests)} requests, policy {settings.effective_policy.value}, time scale "
-          f"{args.time_scale:g}, KV transfer {rate:,.0f} tokens/s, KV cache {profile.cache_capacity_blocks} "
+    print(f"trace {args.trace}: {len(requests)} requests, policy {settings.effective_policy}, "
+          f"{args.store_model} store, time scale {args.time_scale:g}, KV transfer {rate:,.0f} tokens/s, KV cache {profile.cache_capacity_blocks} "
           f"blocks/instance\n\n{table}")
     return 0
 
@@ -215,9 +234,9 @@ def _policies(args: argparse.Namespace) -> list[str]:
     if not args.policies:
         return []
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in _POLICIES]
+    unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
-        raise ValueError(f"--policies: unknown {unknown or 'empty list'}; choose from {', '.join(_POLICIES)}")
+        raise ValueError(f"--policies: unknown {unknown or 'empty list'}; choose from {', '.join(POLICY_NAMES)}")
     return list(dict.fromkeys(names))
 
 
@@ -231,7 +250,8 @@ def _report(header: dict, summaries: list[dict]) -> str:
     return "\n".join(
         [
             f"trace {header['trace']}: {summaries[0]['requests']} requests, {header['instances']} instances,"
-            f" time scale {header['time_scale']:g}, KV cache {header['cache_capacity_blocks']} blocks/instance",
+            f" time scale {header['time_scale']:g}, KV cache {header['cache_capacity_blocks']} blocks/instance,"
+            f" {header['store_model']} store",
             f"hit ratio bounds: ideal (one infinite cache) {header['ideal_hit_ratio']:.1%},"
             f" one LRU as large as the fleet {header['fleet_lru_hit_ratio']:.1%}",
             "",

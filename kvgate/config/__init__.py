@@ -2,7 +2,7 @@
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, flag_name, load_settings
 from kvgate.config.settings import (
-    DispatchPolicy,
+    EarlyRejection,
     HashAlgo,
     InstanceConfig,
     InstanceRole,
@@ -12,7 +12,7 @@ from kvgate.config.settings import (
 
 __all__ = [
     "ConfigError",
-    "DispatchPolicy",
+    "EarlyRejection",
     "HashAlgo",
     "InstanceConfig",
     "InstanceRole",

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvgate.config import instance_rules
 from kvgate.config.api_keys import load_api_keys
+from kvgate.config.key_formats import check_key_format
 from kvgate.config.pd import check_pd_fleet
 
 
@@ -28,13 +29,6 @@ class HashAlgo(StrEnum):
     SHA256_CBOR = "sha256_cbor"
     SHA256_HEX = "sha256_hex"
     XXHASH = "xxhash"
-
-
-class DispatchPolicy(StrEnum):
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOAD = "least_load"
-    PREFIX = "prefix"
-    CACHE_AWARE = "cache_aware"
 
 
 class PDProtocol(StrEnum):
@@ -62,14 +56,20 @@ class PrfaasBandwidthMode(StrEnum):
     ABUNDANT = "abundant"  # the longer cached prefix wherever it lies, shipped across when needed
 
 
-# Load metrics a user may put in --dispatch-metric-order (the cache metrics are added by the policy).
-LOAD_METRICS = (
+# The default --dispatch-metric-order. Policy and metric names are checked against the scheduler's
+# registry (kvgate/scheduler/registry.py), the one place they are listed.
+DEFAULT_METRIC_ORDER = (
     "all_prefills_tokens_num",
     "num_waiting_requests",
     "num_requests",
     "kv_cache_usage_ratio",
 )
-CACHE_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
+
+
+class EarlyRejection(StrEnum):
+    NONE = "none"
+    EARLY = "early"
+    PREDICTIVE = "predictive"
 
 
 # The cluster an instance belongs to unless its config names another.
@@ -87,6 +87,8 @@ class InstanceConfig(BaseModel):
     role: InstanceRole = InstanceRole.NEUTRAL
     # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
     kvs_endpoints: tuple[str, ...] = ()
+    # The engine's context length (vLLM --max-model-len); bounds the prompts the gateway accepts.
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
     # --- prefill/decode disaggregation: a prefill instance's KV hand-off endpoint (docs/PD.md) ---
     # SGLang: its --disaggregation-bootstrap-port (None: SGLang's default 8998). vLLM: set only for the
     # Mooncake connector, whose bootstrap server kvgate names to the decode instance.
@@ -123,11 +125,11 @@ class Settings(BaseModel):
         "tokens in cache_aware (Llumnix: 1). 0.5 won on hit ratio and P90/P99 TTFT at every load "
         "and cache size simulated on the Mooncake conversation trace (docs/BENCHMARKS.md).",
     )
-    dispatch_policy: DispatchPolicy = Field(
-        DispatchPolicy.LEAST_LOAD, description="round_robin | least_load | prefix | cache_aware"
+    dispatch_policy: str = Field(
+        "least_load", description="round_robin | least_load | prefix | cache_aware | conductor"
     )
     dispatch_metric_order: tuple[str, ...] = Field(
-        LOAD_METRICS, description="Load metrics compared in order; the first strict difference decides."
+        DEFAULT_METRIC_ORDER, description="Load metrics compared in order; the first strict difference decides."
     )
     dispatch_top_k: int = Field(1, ge=1, description="Choose at random among the best k instances.")
     request_local_account_staleness_s: float = Field(
@@ -176,21 +178,88 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     tokenizer: str = Field("", description="Local directory or name of a Hugging Face tokenizer (offline).")
     chat_template: str = Field("", description="Jinja chat template file overriding the tokenizer's.")
-    tokenize_cache_size: int = Field(4096, ge=0, description="Prefix-aware tokenize cache entries.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     forward_retries: int = Field(2, ge=0, description="Retries on the next-best instance before the first byte.")
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
-    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        600.0, gt=0, description="Longest gap between an engine's chunks, and the wait for a whole (non-streamed) answer."
+    )
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_failures_to_eject: int = Field(2, ge=1)
     stats_poll_interval_s: float = Field(1.0, gt=0)
     admin_token: str = Field("", description="Bearer token for /admin routes; empty disables them.")
     forward_token_ids: bool = Field(False, description="Send the prompt to engines as token ids.")
 
-    # --- admission (Mooncake-style early rejection) ---
-    ttft_slo_s: float = Field(0.0, ge=0, description="Refuse (429) requests predicted to miss this TTFT; 0 = off.")
-    prefill_tokens_per_s: float = Field(
-        20000.0, gt=0, description="One instance's prefill throughput, for the TTFT prediction of --ttft-slo-s."
+    # --- TTFT model, conductor policy and early rejection (docs/SCHEDULING.md) ---
+    # Defaults stand for a Llama-3-8B-shaped model (32 layers, 8 KV heads of 128, bf16) on one
+    # 80 GB H100-class GPU with one 200 Gb/s RDMA NIC, PCIe 5.0 x16 and a Gen4 NVMe SSD.
+    ttft_prefill_points: tuple[tuple[int, float], ...] = Field(
+        ((1024, 0.0316), (4096, 0.1457), (8192, 0.343), (16384, 0.891), (32768, 2.603), (131072, 30.1)),
+        description="Prefill curve of one idle instance: (prompt tokens, seconds) points, as "
+        "'tokens:seconds,...'. Linear between points, the last slope continues.",
+    )
+    kv_bytes_per_token: int = Field(131072, ge=1, description="KV cache bytes of one token (all layers).")
+    kv_host_bandwidth_gb_s: float = Field(
+        50.0, gt=0, description="GB/s loading KV from the instance's own DRAM segment (host link)."
+    )
+    kv_network_bandwidth_gb_s: float = Field(
+        25.0, gt=0, description="GB/s loading KV from another instance's segment (transfer engine)."
+    )
+    kv_disk_bandwidth_gb_s: float = Field(5.0, gt=0, description="GB/s loading KV from a disk tier.")
+    decode_step_s: tuple[float, float, float] = Field(
+        (0.006, 6e-5, 4e-8),
+        description="Decode step time: base seconds, per running sequence, per context token "
+        "('base,per_sequence,per_token').",
+    )
+    prefill_chunk_tokens: int = Field(
+        2048, ge=1, description="Engine step token budget (vLLM --max-num-batched-tokens): a decode step "
+        "that shares the batch with a prefill chunk of this size takes that much longer.",
+    )
+    ttft_calibration: bool = Field(
+        True, description="Scale the TTFT terms per instance from measured TTFTs (bounded, outlier-robust)."
+    )
+    kvcache_balancing_threshold: float = Field(
+        1.0, ge=1.0, description="Load a longer prefix from another segment only when it is this many "
+        "times the local one (Mooncake Conductor's kvcache_balancing_threshold); the TTFT model's rule.",
+    )
+    ttft_slo_s: float = Field(0.0, ge=0, description="TTFT SLO for early rejection; 0 = off.")
+    tbt_slo_s: float = Field(0.0, ge=0, description="Time-between-tokens SLO for early rejection; 0 = off.")
+    early_rejection: EarlyRejection = Field(
+        EarlyRejection.NONE,
+        description="none | early | predictive: answer 429 when the SLOs would be missed. Setting only "
+        "--ttft-slo-s turns on early, as before.",
+    )
+    prefill_tokens_per_s: float | None = Field(
+        None, gt=0, description="Deprecated: a flat prefill rate; use --ttft-prefill-points. When set "
+        "alone it becomes a linear prefill curve.",
+    )
+
+    # --- hardening: memory bounds, hung engines, bounded store answers (docs/OPERATIONS.md) ---
+    tokenize_cache_bytes: int = Field(
+        128 * 1024 * 1024, ge=0,
+        description="Bytes the tokenize cache may hold (token ids and their text); 0 disables it.",
+    )
+    max_prompt_tokens: int = Field(
+        0, ge=0,
+        description="Longest prompt accepted, in tokens (400 beyond). 0: the model's context, from the "
+        "instances' max_model_len, else the tokenizer's model_max_length.",
+    )
+    upstream_first_byte_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Longest wait for a stream's first bytes from an engine; past it the request is retried "
+        "on another instance. --upstream-read-timeout-s then bounds each gap between chunks.",
+    )
+    outlier_consecutive_failures: int = Field(
+        5, ge=0, description="Eject an instance after this many failed requests in a row (0: off)."
+    )
+    outlier_ejection_s: float = Field(
+        30.0, gt=0, description="An outlier stays ejected at least this long; then a passing health check readmits it.",
+    )
+    kvs_max_query_blocks: int = Field(
+        1024, ge=1, description="Only a prompt's first N blocks are asked of the KV store."
+    )
+    kvs_max_answer_bytes: int = Field(
+        1024 * 1024, ge=1024, description="A longer KV store answer is not parsed: the lookup fails (no hits)."
     )
 
     # --- prefill/decode disaggregation (docs/PD.md) ---
@@ -327,20 +396,37 @@ class Settings(BaseModel):
 
     @field_validator("dispatch_metric_order")
     @classmethod
-    def _known_metrics(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [m for m in value if m not in LOAD_METRICS + CACHE_METRICS]
-        if unknown:
-            raise ValueError(f"unknown metric(s) {unknown}; choose from {list(LOAD_METRICS + CACHE_METRICS)}")
+    def _some_metric(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("needs at least one metric")
         return value
 
+    @field_validator("ttft_prefill_points", mode="before")
+    @classmethod
+    def _split_points(cls, value):
+        if isinstance(value, str):
+            pairs = [part.split(":") for part in value.split(",") if part.strip()]
+            if any(len(pair) != 2 for pair in pairs):
+                raise ValueError("expected 'tokens:seconds,tokens:seconds,...'")
+            value = [(pair[0].strip(), pair[1].strip()) for pair in pairs]
+        return value
+
+    @field_validator("ttft_prefill_points")
+    @classmethod
+    def _increasing_points(cls, value: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        tokens = [n for n, _ in value]
+        if not value or tokens != sorted(set(tokens)) or tokens[0] <= 0 or any(s < 0 for _, s in value):
+            raise ValueError("needs strictly increasing positive token counts with seconds >= 0")
+        return value
+
+    @field_validator("decode_step_s", mode="before")
+    @classmethod
+    def _split_decode(cls, value):
+        return [part.strip() for part in value.split(",")] if isinstance(value, str) else value
+
     @field_validator("kvs_key_format")
     @classmethod
     def _known_key_format(cls, value: str) -> str:
-        # Imported here: the presets live with the key builders, which import this module.
-        from kvgate.scheduler.key_formats import check_key_format
-
         return check_key_format(value)
 
     @field_validator("hash_seed", mode="before")
@@ -376,6 +462,16 @@ class Settings(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _deprecated_and_implied(self) -> Settings:
+        # Assigning inside the validator would re-run it (validate_assignment): write the dict.
+        if self.prefill_tokens_per_s is not None and "ttft_prefill_points" not in self.model_fields_set:
+            rate = self.prefill_tokens_per_s
+            self.__dict__["ttft_prefill_points"] = ((1, 1 / rate), (1_000_000, 1_000_000 / rate))
+        if self.ttft_slo_s > 0 and "early_rejection" not in self.model_fields_set:
+            self.__dict__["early_rejection"] = EarlyRejection.EARLY
+        return self
+
+    @model_validator(mode="after")
     def _unique_instance_ids(self) -> Settings:
         ids = [inst.id for inst in self.instances]
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
@@ -389,8 +485,8 @@ class Settings(BaseModel):
         return self
 
     @property
-    def effective_policy(self) -> DispatchPolicy:
+    def effective_policy(self) -> str:
         """The Llumnix switch upgrades least_load to cache_aware; other policies are explicit."""
-        if self.enable_cache_aware_scheduling and self.dispatch_policy == DispatchPolicy.LEAST_LOAD:
-            return DispatchPolicy.CACHE_AWARE
+        if self.enable_cache_aware_scheduling and self.dispatch_policy == "least_load":
+            return "cache_aware"
         return self.dispatch_policy

@@ -15,14 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.config.settings import (
-    DispatchPolicy,
-    InstanceConfig,
-    InstanceRole,
-    KVSBackendName,
-    PDProtocol,
-    Settings,
-)
+from kvgate.config.settings import InstanceConfig, InstanceRole, KVSBackendName, PDProtocol, Settings
 from kvgate.gateway.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
@@ -64,7 +57,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def gateway_settings(spec: FleetSpec, policy: DispatchPolicy, engines: list[MockEngineHandle]) -> Settings:
+def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandle]) -> Settings:
     """The engines' own hashing settings, plus the routing policy, instances and store address."""
     instances = tuple(
         InstanceConfig(
@@ -111,7 +104,7 @@ async def _start_engine(spec: FleetSpec, index: int, embedded: EmbeddedKVSIndex 
 
 
 @contextlib.asynccontextmanager
-async def running_fleet(spec: FleetSpec, policy: DispatchPolicy, tokenizer: Any) -> AsyncIterator[str]:
+async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIterator[str]:
     """Fresh engines (empty caches) and a gateway routing with `policy`; yields the gateway's URL.
 
     `tokenizer` is a loaded Hugging Face tokenizer handed to the gateway (loaded once per demo).

@@ -38,6 +38,6 @@ ROWS: tuple[tuple[str, Callable[[ReplaySummary], str]], ...] = (
 
 
 def format_table(runs: Sequence[PolicyRun], tablefmt: str = "github") -> str:
-    headers = ("", *(run.policy.value for run in runs))
+    headers = ("", *(run.policy for run in runs))
     rows = [(label, *(render(run.summary) for run in runs)) for label, render in ROWS]
     return tabulate(rows, headers=headers, tablefmt=tablefmt, colalign=("left", *("right" for _ in runs)))

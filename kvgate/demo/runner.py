@@ -16,16 +16,15 @@ import orjson
 
 from kvgate.bench.loadgen import ReplaySummary, ScheduledRequest, replay, summarize_replay
 from kvgate.bench.workload import ReplayRequest, build_requests, completion_body
-from kvgate.config.settings import DispatchPolicy
 from kvgate.demo.fleet import FleetSpec, running_fleet
 from kvgate.simulator.trace import read_trace
 
-POLICIES = (DispatchPolicy.ROUND_ROBIN, DispatchPolicy.CACHE_AWARE)
+POLICIES = ("round_robin", "cache_aware")
 
 
 @dataclass(frozen=True)
 class PolicyRun:
-    policy: DispatchPolicy
+    policy: str
     summary: ReplaySummary
 
 
@@ -44,7 +43,7 @@ def _scheduled(requests: Sequence[ReplayRequest], model: str) -> list[ScheduledR
 
 async def run_policy(
     spec: FleetSpec,
-    policy: DispatchPolicy,
+    policy: str,
     requests: Sequence[ReplayRequest],
     tokenizer: Any,
     progress: bool = True,
@@ -57,7 +56,7 @@ async def run_policy(
             from tqdm import tqdm
 
             bar = tqdm(
-                total=len(scheduled), unit="req", desc=f"{policy.value:>12}", file=sys.stderr, leave=True
+                total=len(scheduled), unit="req", desc=f"{policy:>12}", file=sys.stderr, leave=True
             )
         started = time.perf_counter()
         try:

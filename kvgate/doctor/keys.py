@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvgate.config.key_formats import PRESETS
 from kvgate.config.settings import HashAlgo, Settings
 from kvgate.scheduler.hashing import hash_blocks
-from kvgate.scheduler.key_formats import PRESETS, make_key_format
+from kvgate.scheduler.key_formats import make_key_format
 
 # Engines' usual block / page sizes (vLLM's default 16, Llumnix's 256, ...).
 _CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024)

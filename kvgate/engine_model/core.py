@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 
 from kvgate.engine_model.cache import BlockCache
 from kvgate.engine_model.profile import ServiceProfile
+from kvgate.engine_model.store import StoreLoad
 
 CacheChangeCallback = Callable[[list[str], list[str]], None]
+# Given the keys after the HBM hit, how many leading ones the shared store can load, and how fast.
+StoreLoader = Callable[[tuple[str, ...]], StoreLoad]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,9 @@ class StepOutcome:
     tokens: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     prefill_tokens_computed: int = 0
+    # Prompt tokens loaded from the shared store at admission (own segment, other segments).
+    loaded_own_tokens: int = 0
+    loaded_remote_tokens: int = 0
     # More than 1 only when step() was allowed to fast-forward through decode-only steps.
     num_steps: int = 1
 
@@ -100,14 +106,23 @@ class _Sequence:
 
 
 class EngineCore:
-    def __init__(self, profile: ServiceProfile, on_cache_change: CacheChangeCallback | None = None) -> None:
+    def __init__(
+        self,
+        profile: ServiceProfile,
+        on_cache_change: CacheChangeCallback | None = None,
+        store_loader: StoreLoader | None = None,
+    ) -> None:
         self.profile = profile
+        # With a shared store, prefix blocks missing from HBM are loaded at admission when the
+        # store holds them (the copy time is added to that step), instead of being computed.
+        self._store_loader = store_loader
         self.cache = BlockCache(profile.cache_capacity_blocks)
         self._on_cache_change = on_cache_change
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._ids: set[str] = set()
         self._uncomputed = 0
+        self._load_s = 0.0  # store copies of requests admitted this step, charged to its duration
         self._queries = 0
         self._hits = 0
 
@@ -196,7 +211,8 @@ class EngineCore:
             self._publish([], evicted)
             return out
 
-        duration = profile.step_overhead_s
+        duration = profile.step_overhead_s + self._load_s
+        self._load_s = 0.0
         if decodes:
             context = 0
             for seq in decodes:
@@ -241,6 +257,15 @@ class EngineCore:
                 break  # first come, first served: the head waits for memory, so do the others
             evicted += freed
             self._waiting.popleft()
+            if self._store_loader is not None and matched < len(seq.keys):
+                load = self._store_loader(seq.keys[matched:])
+                if load.blocks:
+                    # Loaded blocks enter HBM like computed ones, but were not computed here.
+                    cache.commit(seq.keys[matched : matched + load.blocks])
+                    matched += load.blocks
+                    self._load_s += load.seconds
+                    out.loaded_own_tokens += load.own_blocks * bs
+                    out.loaded_remote_tokens += load.remote_blocks * bs
             cached = min(matched * bs, seq.prompt - 1)
             seq.computed = cached
             seq.pinned = matched

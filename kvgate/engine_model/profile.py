@@ -15,10 +15,11 @@ Defaults resemble a 7-8B dense model (Llama-3-8B shape: 32 layers, 8 KV heads of
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvgate.scheduler.prefill_curve import PrefillCurve
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,36 +33,8 @@ class QuadraticPrefillCost:
         return new_tokens * (self.per_token_s + self.per_token_pair_s * (new_tokens + 2 * cached_tokens))
 
 
-@dataclass(frozen=True, slots=True)
-class TablePrefillCost:
-    """Measured prefill curve: `points` are (prompt_tokens, seconds of compute from scratch).
-
-    A chunk costs the curve's increase over the tokens it adds, so chunking a prompt costs what
-    prefilling it at once does. Linear between points; the last segment's slope continues beyond.
-    """
-
-    points: tuple[tuple[int, float], ...]
-    _xs: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _ys: tuple[float, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        lengths = [n for n, _ in self.points]
-        if not lengths or lengths != sorted(set(lengths)) or lengths[0] <= 0:
-            raise ValueError("prefill table needs strictly increasing positive token counts")
-        if any(s < 0 for _, s in self.points):
-            raise ValueError("prefill table times must be >= 0")
-        # The curve starts at (0, 0): no tokens, no compute.
-        object.__setattr__(self, "_xs", (0, *lengths))
-        object.__setattr__(self, "_ys", (0.0, *(s for _, s in self.points)))
-
-    def _cumulative_s(self, tokens: int) -> float:
-        xs, ys = self._xs, self._ys
-        i = min(max(bisect.bisect_right(xs, tokens), 1), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
-
-    def chunk_s(self, cached_tokens: int, new_tokens: int) -> float:
-        return self._cumulative_s(cached_tokens + new_tokens) - self._cumulative_s(cached_tokens)
+# Measured prefill curve: (prompt_tokens, seconds of compute from scratch); the TTFT model's own.
+TablePrefillCost = PrefillCurve
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.pd import check_pd_serving
-from kvgate.config.settings import DebugRoutes, Settings
+from kvgate.config.settings import DebugRoutes, InstanceConfig, Settings
 from kvgate.gateway import access_log, admin, debug
-from kvgate.gateway.admission import check_admission
 from kvgate.gateway.auth import ClientAuth
 from kvgate.gateway.background import every
 from kvgate.gateway.client_timeout import body_timeout_middleware
@@ -32,12 +31,15 @@ from kvgate.gateway.health import HealthChecker
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
+from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.prompt_limit import PromptLimit
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.request_notes import MODEL, PLAN
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.metrics.definitions import (
@@ -46,6 +48,7 @@ from kvgate.metrics.definitions import (
     gateway_metrics,
     hit_metrics,
     kvs_metrics,
+    ttft_metrics,
 )
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger
@@ -70,12 +73,19 @@ def build_app(
     prometheus = CollectorRegistry()
     metrics = gateway_metrics(prometheus)
     scheduler = Scheduler(settings, settings.instances)
-    registry = InstanceRegistry(settings.instances, on_change=scheduler.set_instances)
     account = LoadAccount(settings.request_local_account_staleness_s)
     tokenizer_service = TokenizerService(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
-        cache_size=settings.tokenize_cache_size,
+        cache_bytes=settings.tokenize_cache_bytes,
     )
+    metrics.tokenize_cache_bytes.set_function(lambda: tokenizer_service.cached_bytes)
+    prompt_limit = PromptLimit(settings.max_prompt_tokens, tokenizer_service.tokenizer, settings.instances)
+
+    def instances_changed(instances: tuple[InstanceConfig, ...]) -> None:
+        scheduler.set_instances(instances)
+        prompt_limit.set_instances(instances)
+
+    registry = InstanceRegistry(settings.instances, on_change=instances_changed)
     store_metrics = kvs_metrics(prometheus)
     kvs = (
         ResilientKVSClient(kvs_index, settings, store_metrics)
@@ -83,7 +93,7 @@ def build_app(
         else make_kvs_client(settings, metrics=store_metrics)
     )
     decode_ledger = DecodeLedger()
-    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics,
+    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit,
                            decode_ledger=decode_ledger)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
@@ -132,8 +142,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
+    outliers = OutlierDetector(gateway.registry, gateway.metrics, settings.outlier_consecutive_failures,
+                               settings.outlier_ejection_s)
+    gateway.registry.on_eject = lambda state: upstream.abort_waiting(state.config.url, f"{state.id} was ejected")
     gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
-                                  gateway.hits, gateway.decode_ledger)
+                                  outliers, gateway.hits,
+                                  ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)),
+                                  decode_ledger=gateway.decode_ledger)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
@@ -176,11 +191,12 @@ async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) 
     parsed = parse(await request.read())
     request[MODEL] = parsed.model
     plan = request[PLAN] = await gateway.planner.plan(parsed)
-    try:
-        check_admission(plan, gateway.settings.ttft_slo_s, gateway.settings.prefill_tokens_per_s)
-    except APIError:
+    # The rejection filter; a prefill/decode split passes its decode instance's load here.
+    rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
+    if rejection is not None:
         gateway.metrics.admission_rejections.inc()
-        raise
+        raise APIError(429, rejection.message, code=rejection.code,
+                       headers={"Retry-After": str(rejection.retry_after_s)})
     assert gateway.forwarder is not None, "the application has not started"
     return await gateway.forwarder.forward(request, parsed, plan, request[REQUEST_ID], arrived)
 

@@ -13,12 +13,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvgate.gateway.admission import predicted_ttft_s
 from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.observe import REQUEST_ID
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
+from kvgate.scheduler.ttft import TTFTPrediction
 
 
 def add_routes(app: web.Application, guard: Callable[[Handler], Handler] | None = None) -> None:
@@ -36,7 +36,7 @@ async def _schedule(request: web.Request) -> web.Response:
     is_chat = isinstance(body, dict) and "messages" in body
     parsed = (parse_chat if is_chat else parse_completion)(raw)
     plan = await gateway.planner.plan(parsed, explain=True)
-    rate = gateway.settings.prefill_tokens_per_s
+    rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
     return json_response({
         **_pd_fields(plan),
         # The X-Request-Id of this call (the client's own, or the one the gateway gave it).
@@ -44,22 +44,41 @@ async def _schedule(request: web.Request) -> web.Response:
         "selected": plan.decision.selected,
         "ranking": list(plan.decision.ranking),
         "cache_aware": plan.decision.cache_aware,
-        "policy": gateway.settings.effective_policy.value,
+        "policy": gateway.settings.effective_policy,
         "num_prompt_tokens": plan.num_prompt_tokens,
         "block_keys": plan.block_keys,
         "kvs_status": plan.kvs_status,
         "kvs_elapsed_ms": round(plan.kvs_elapsed_s * 1000, 3),
+        "early_rejection": gateway.settings.early_rejection.value,
+        "rejection": None if rejection is None else {
+            "code": rejection.code, "message": rejection.message, "retry_after_s": rejection.retry_after_s,
+        },
         "instances": [
             {
                 "id": score.id,
                 "prefix_hit_tokens": score.prefix_hit_tokens,
                 "prefix_miss_tokens": score.prefix_miss_tokens,
                 "metrics": score.metrics,
-                "predicted_ttft_s": round(predicted_ttft_s(plan, score.id, rate), 6),
+                **_prediction_fields(plan.prediction(score.id)),
             }
             for score in plan.decision.scores
         ],
     })
+
+
+def _prediction_fields(prediction: TTFTPrediction | None) -> dict[str, float | int | None]:
+    """The TTFT model's terms for one instance (calibrated; they sum to predicted_ttft_s)."""
+    if prediction is None:
+        return dict.fromkeys(("predicted_ttft_s", "queue_s", "prefill_s", "transfer_s", "transfer_tokens",
+                              "local_hit_tokens"))
+    return {
+        "predicted_ttft_s": round(prediction.predicted_ttft_s, 6),
+        "queue_s": round(prediction.queue_s, 6),
+        "prefill_s": round(prediction.prefill_s, 6),
+        "transfer_s": round(prediction.transfer_s, 6),
+        "transfer_tokens": prediction.transfer_tokens,
+        "local_hit_tokens": prediction.local_hit_tokens,
+    }
 
 
 def _pd_fields(plan: RoutePlan) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from aiohttp import web
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.handoff import HandOff, HandOffError
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry, InstanceState
 from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe
@@ -67,6 +68,7 @@ class PDForwarder:
         tracker: InflightTracker,
         ledger: DecodeLedger,
         metrics: GatewayMetrics,
+        outliers: OutlierDetector,
         max_attempts: int,
         relay_decode: RelayFrom,
         observe_hit_ratio: Callable[[RoutePlan, str], None],
@@ -78,6 +80,7 @@ class PDForwarder:
         self._tracker = tracker
         self._ledger = ledger
         self._metrics = metrics
+        self._outliers = outliers
         self._max_attempts = max_attempts
         # The forwarder's relay of one instance's answer (post, 5xx check, relay.py, first byte).
         self._relay_decode = relay_decode
@@ -125,6 +128,8 @@ class PDForwarder:
             except PairFailure as failure:
                 last_failed = prefill.id if failure.side == "prefill" and prefill else decode.id
                 failures.append(f"{last_failed}: {failure}")
+                # Passive outlier detection sees the instance that failed (gateway/outliers.py).
+                self._outliers.failure(last_failed, str(failure))
                 if failure.side in ("prefill", "both") and prefill is not None:
                     self._handoff.forget(prefill.config)
                     prefill = next(prefills, None)

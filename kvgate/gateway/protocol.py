@@ -93,6 +93,13 @@ class ParsedRequest:
     # Every prompt of a batched completion (more than one), in order; None for a single prompt.
     batch: list[str] | list[list[int]] | None = None
 
+    @property
+    def max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens (both checked by check_shaping_fields); None when
+        neither is sent. The rejection filter's estimate of the decode the request will cost."""
+        value = self.body.get("max_completion_tokens")
+        return value if value is not None else self.body.get("max_tokens")
+
 
 def parse_completion(raw: bytes) -> ParsedRequest:
     body = _json_object(raw)

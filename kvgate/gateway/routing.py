@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from kvgate.config.settings import InstanceRole
 from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.prompt_limit import PromptLimit, prompt_too_long
 from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.tokenizer import ChatTemplateError, TokenizerService
+from kvgate.gateway.tokenizer import ChatTemplateError, PromptTooLong, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.base import LookupStatus
 from kvgate.metrics.definitions import GatewayMetrics
@@ -26,7 +27,8 @@ from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger, PDDecision
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
-from kvgate.scheduler.types import Candidate, Decision, InstanceScore
+from kvgate.scheduler.ttft import TTFTPrediction
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore
 
 # Hashing more tokens than this moves to the executor (sha256 over ~100K tokens takes milliseconds).
 _INLINE_HASH_TOKENS = 16384
@@ -60,11 +62,17 @@ class RoutePlan:
         score = self.score(instance_id)
         return score.prefix_miss_tokens if score is not None else self.num_prompt_tokens
 
-    def queued_prefill_tokens(self, instance_id: str) -> int:
-        for candidate in self.candidates:
-            if candidate.id == instance_id:
-                return candidate.load.all_prefills_tokens_num
-        return 0
+    @property
+    def decode_load(self) -> InstanceLoad | None:
+        """The load of the instance chosen to decode a disaggregated request (None: the selected one
+        decodes too), for the rejection filter."""
+        if self.pd is None:
+            return None
+        return next((c.load for c in self.candidates if c.id == self.pd.decode.selected), None)
+
+    def prediction(self, instance_id: str) -> TTFTPrediction | None:
+        predictions = self.decision.predictions
+        return predictions[instance_id] if predictions is not None and instance_id in predictions else None
 
 
 def split_by_role(candidates: Sequence[Candidate]) -> dict[InstanceRole, tuple[Candidate, ...]]:
@@ -80,9 +88,11 @@ class RoutePlanner:
         registry: InstanceRegistry,
         account: LoadAccount,
         metrics: GatewayMetrics,
+        prompt_limit: PromptLimit,
         executor: Executor | None = None,
         decode_ledger: DecodeLedger | None = None,
     ) -> None:
+        self._prompt_limit = prompt_limit
         self._scheduler = scheduler
         self._kvs = kvs
         self._tokenizer = tokenizer
@@ -110,13 +120,14 @@ class RoutePlanner:
         blocks = await self._block_hashes(prompt_ids) if wants_kvs or explain else []
         keys = self._scheduler.block_keys(blocks) if blocks else []
         locations: Sequence[Sequence[str]] | None = None
+        disk_locations: Sequence[Sequence[str]] | None = None
         kvs_status: LookupStatus = "skipped"
         kvs_elapsed = 0.0
         if keys and wants_kvs:
             lookup = await self._kvs.lookup(keys)
             kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
             if lookup.status == "ok":
-                locations = lookup.locations
+                locations, disk_locations = lookup.locations, lookup.disk_locations
             self._stage["kvs"].observe(kvs_elapsed)
 
         # Candidates are read after the lookup's await so the loads are as fresh as possible.
@@ -129,14 +140,16 @@ class RoutePlanner:
         if self._scheduler.pd_enabled and by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
             candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
             pd = self._scheduler.decide_pd(len(prompt_ids), blocks, locations, by_role[InstanceRole.PREFILL],
-                                           by_role[InstanceRole.DECODE], self._decode_ledger.tokens)
+                                           by_role[InstanceRole.DECODE], self._decode_ledger.tokens,
+                                           disk_locations=disk_locations)
             decision = pd.prefill
         else:
             # Whole requests go to neutral instances only: a decode instance refuses them.
             candidates = by_role[InstanceRole.NEUTRAL]
             if not candidates:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
-            decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates)
+            decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates,
+                                              disk_locations=disk_locations)
         schedule_s = time.perf_counter() - started - kvs_elapsed
         self._stage["schedule"].observe(max(schedule_s, 0.0))
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd)
@@ -149,15 +162,22 @@ class RoutePlanner:
         # stream chunks, and own partial failures, that the engine already handles as one request.
         # The first prompt's prefix hit stands for the batch's; the account counts its miss once
         # per prompt (forwarder.py).
+        limit = self._prompt_limit.tokens(request.model)
+        param = "messages" if request.messages is not None else "prompt"
         if request.prompt_ids is not None:
+            if len(request.prompt_ids) > limit:
+                raise prompt_too_long(request.model, len(request.prompt_ids), limit, param)
             return request.prompt_ids
         try:
             special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "", special)
+                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special,
+                                                         body_bytes=len(request.raw), max_tokens=limit)
+            return await self._tokenizer.encode_prompt(request.prompt_text or "", special, max_tokens=limit)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        except PromptTooLong as exc:
+            raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
     async def _block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
         if len(prompt_ids) <= _INLINE_HASH_TOKENS:

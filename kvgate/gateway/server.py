@@ -94,7 +94,7 @@ async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
     handle = await start_gateway(settings, tokenizer=tokenizer)
     tune_gc()
     log.info("kvgate gateway listening on %s with %d instance(s), policy %s, event loop %s",
-             handle.url, len(settings.instances), settings.effective_policy.value, type(loop).__module__)
+             handle.url, len(settings.instances), settings.effective_policy, type(loop).__module__)
     print(f"kvgate gateway listening on {handle.url}", flush=True)
     try:
         await stop.wait()

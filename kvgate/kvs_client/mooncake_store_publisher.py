@@ -105,17 +105,25 @@ class MooncakeStorePublisher:
         self._store, self._config = store, config
         return self
 
-    def publish(self, keys: Sequence[str]) -> list[str]:
-        """Put each key on this client's segment; returns the keys that could not be stored."""
+    def publish(self, keys: Sequence[str], replica_num: int = 1) -> list[str]:
+        """Put each key on this client's segment (and `replica_num - 1` others, as the master
+        places them); returns the keys that could not be stored."""
         store = self._require_open()
+        config = self._config if replica_num == 1 else self._replicated(replica_num)
         failed: list[str] = []
         for start in range(0, len(keys), _PUT_BATCH_KEYS):
             chunk = list(keys[start : start + _PUT_BATCH_KEYS])
-            if store.put_batch(chunk, [self._value] * len(chunk), self._config) == 0:
+            if store.put_batch(chunk, [self._value] * len(chunk), config) == 0:
                 continue
             # The batch status does not say which key failed; ask key by key.
-            failed.extend(key for key in chunk if store.put(key, self._value, self._config) != 0)
+            failed.extend(key for key in chunk if store.put(key, self._value, config) != 0)
         return failed
+
+    def _replicated(self, replica_num: int) -> Any:
+        config = type(self._config)()
+        config.replica_num = replica_num
+        config.preferred_segment = self.endpoint
+        return config
 
     def withdraw(self, keys: Sequence[str]) -> list[str]:
         """Remove keys; returns those still present afterwards (keys already absent count as removed)."""

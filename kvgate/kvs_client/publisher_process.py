@@ -7,6 +7,7 @@ in a file instead of the parent's output.
 Protocol (one JSON object per line):
   child -> parent at start: {"ready": true, "endpoint": "IP:port"} or {"ready": false, "error": "..."}
   parent -> child: {"op": "publish" | "withdraw", "keys": [...]}  -> {"ok": true, "failed": [...]}
+                   ("publish" may carry "replica_num": copies on that many segments, this one first)
                    {"op": "close"}                                -> {"ok": true}, then exit
   any failure -> {"ok": false, "error": "..."}
 
@@ -69,9 +70,10 @@ class PublisherProcess:
             raise
         self.endpoint: str = hello["endpoint"]
 
-    def publish(self, keys: Sequence[str], timeout_s: float = 30.0) -> list[str]:
+    def publish(self, keys: Sequence[str], timeout_s: float = 30.0, replica_num: int = 1) -> list[str]:
         """Store keys at this child's endpoint; returns the keys that failed."""
-        return self._request({"op": "publish", "keys": list(keys)}, timeout_s)["failed"]
+        message = {"op": "publish", "keys": list(keys), "replica_num": replica_num}
+        return self._request(message, timeout_s)["failed"]
 
     def withdraw(self, keys: Sequence[str], timeout_s: float = 30.0) -> list[str]:
         return self._request({"op": "withdraw", "keys": list(keys)}, timeout_s)["failed"]
@@ -161,7 +163,7 @@ def _serve(publisher: MooncakeStorePublisher, requests: TextIO, answers: TextIO)
                 send({"ok": True})
                 return
             if op == "publish":
-                send({"ok": True, "failed": publisher.publish(request["keys"])})
+                send({"ok": True, "failed": publisher.publish(request["keys"], request.get("replica_num", 1))})
             elif op == "withdraw":
                 send({"ok": True, "failed": publisher.withdraw(request["keys"])})
             else:

@@ -22,6 +22,7 @@ class KVSMetrics:
     query_outcomes: Counter  # outcome: hit | miss | error | skipped_down
     keys_per_query: Histogram
     service_up: Gauge
+    oversized_answers: Counter
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,39 @@ class GatewayMetrics:
     inflight_requests: Gauge  # instance
     inflight_prefill_tokens: Gauge  # instance
     instance_healthy: Gauge  # instance
+    outlier_ejections: Counter  # instance
+    tokenize_cache_bytes: Gauge
+
+
+# --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
+# Measured minus predicted TTFT, seconds: negative when the model was pessimistic.
+_ERROR_BUCKETS = (-10, -5, -2.5, -1, -0.5, -0.25, -0.1, -0.05, -0.01, 0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(frozen=True)
+class TTFTMetrics:
+    prediction_error_seconds: Histogram
+    calibration_factor: Gauge  # instance, term: compute | transfer
+    calibration_observations: Gauge  # instance
+
+
+def ttft_metrics(registry: CollectorRegistry) -> TTFTMetrics:
+    return TTFTMetrics(
+        prediction_error_seconds=Histogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Measured minus predicted TTFT (first byte minus dispatch) on the instance the request went to.",
+            buckets=_ERROR_BUCKETS, registry=registry,
+        ),
+        calibration_factor=Gauge(
+            "kvgate_ttft_calibration_factor",
+            "Per-instance factor the TTFT model applies to its profile's compute (queue + prefill) or transfer.",
+            ["instance", "term"], registry=registry,
+        ),
+        calibration_observations=Gauge(
+            "kvgate_ttft_calibration_observations", "Measured TTFTs the instance's calibration has used.",
+            ["instance"], registry=registry,
+        ),
+    )
 
 
 def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
@@ -66,13 +100,22 @@ def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
             ["backend"],
             registry=registry,
         ),
+        oversized_answers=Counter(
+            "kvgate_kvs_oversized_answers",
+            "KV store answers longer than --kvs-max-answer-bytes, not parsed (the lookup failed).",
+            ["backend"],
+            registry=registry,
+        ),
     )
 
 
 def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
     return GatewayMetrics(
         requests=Counter(
-            "kvgate_requests", "Requests answered, by route and HTTP status.", ["route", "status"],
+            "kvgate_requests",
+            "Requests answered, by route and HTTP status; 499 = the client hung up, stream_error = a "
+            "stream the engine broke after its first byte (sent as 200, ended with an error event).",
+            ["route", "status"],
             registry=registry,
         ),
         ttft_seconds=Histogram(
@@ -96,7 +139,7 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
             ["instance"], registry=registry,
         ),
         admission_rejections=Counter(
-            "kvgate_admission_rejections", "Requests refused with 429 because the predicted TTFT misses the SLO.",
+            "kvgate_admission_rejections", "Requests refused with 429 because they are predicted to miss the TTFT or TBT SLO.",
             registry=registry,
         ),
         inflight_requests=Gauge(
@@ -109,6 +152,15 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
         ),
         instance_healthy=Gauge(
             "kvgate_instance_healthy", "1 while the instance passes health checks, 0 while ejected.", ["instance"],
+            registry=registry,
+        ),
+        outlier_ejections=Counter(
+            "kvgate_outlier_ejections",
+            "Instances ejected after --outlier-consecutive-failures failed requests in a row.", ["instance"],
+            registry=registry,
+        ),
+        tokenize_cache_bytes=Gauge(
+            "kvgate_tokenize_cache_bytes", "Bytes held by the tokenize cache (bounded by --tokenize-cache-bytes).",
             registry=registry,
         ),
     )

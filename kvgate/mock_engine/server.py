@@ -241,7 +241,8 @@ class MockEngine:
             return await self._encode_text(parsed.prompt_text or "", special)
         tokenizer = self._require_tokenizer()
         try:
-            return await tokenizer.encode_chat(parsed.messages, chat_template_inputs(parsed.body), special)
+            return await tokenizer.encode_chat(parsed.messages, chat_template_inputs(parsed.body), special,
+                                              body_bytes=len(parsed.raw))
         except ValueError as exc:  # chat template errors: roles or content the template refuses
             raise APIError(400, str(exc), param="messages") from None
 

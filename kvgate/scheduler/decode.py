@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvgate.scheduler.scheduling_metrics import METRICS, SchedulingMetric
+from kvgate.scheduler.scheduling_metrics import LoadMetric, SchedulingMetric
 from kvgate.scheduler.selector import Selector
 from kvgate.scheduler.types import Candidate, Decision, RoutingRequest
 
@@ -81,9 +81,10 @@ class DecodeChooser:
     def __init__(self, selector: Selector | None = None) -> None:
         # A selector of its own: its tie cursor must rotate over decode instances, not prefill ones.
         self._selector = selector or Selector()
+        self._load_metrics = [LoadMetric(name) for name in DECODE_METRIC_ORDER[1:]]
 
     def choose(
         self, request: RoutingRequest, candidates: Sequence[Candidate], predicted_tokens: Mapping[str, int]
     ) -> Decision:
-        metrics = [PredictedDecodeTokens(predicted_tokens)] + [METRICS[name] for name in DECODE_METRIC_ORDER[1:]]
+        metrics = [PredictedDecodeTokens(predicted_tokens), *self._load_metrics]
         return self._selector.select(metrics, candidates, request, cache_aware=False)

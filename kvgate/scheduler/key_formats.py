@@ -2,26 +2,18 @@
 
 The gateway sees a hit only if it builds the very string an engine wrote, so the format is a
 setting (`--kvs-key-format`): a preset named after the writer, or a template. Only tensor-parallel
-rank 0's key is built: one rank's key is enough to know where a chunk lives.
+rank 0's key is built: one rank's key is enough to know where a chunk lives. The presets and
+the check of a template are config/key_formats.py's.
 """
 
 from __future__ import annotations
 
-import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvgate.config.key_formats import PRESET_TEMPLATES, check_key_format, template_fields
 from kvgate.config.settings import HashAlgo, Settings
 from kvgate.scheduler.hashing import BlockHash
-
-# Fields a template may use besides the required {hash}.
-TEMPLATE_FIELDS = frozenset({"hash", "model", "rank"})
-PRESETS = ("llumnix", "sglang_mha", "sglang_mla", "vllm_mooncake", "iris")
-_PRESET_TEMPLATES = {
-    "sglang_mha": "{hash}_{rank}_k",  # SGLang HiCache, MHA models (the K half)
-    "sglang_mla": "{hash}__k",  # SGLang HiCache, MLA models
-    "vllm_mooncake": "{model}@tp_rank:{rank}@pcp0@dcp0@pp_rank:0@group:0@{hash}",  # vLLM MooncakeStoreConnector
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,32 +27,6 @@ class KeyFormat:
         return [self._key(block) for block in blocks]
 
 
-def check_key_format(key_format: str) -> str:
-    """Return `key_format` if it is a preset or a usable template, else raise ValueError saying why."""
-    if key_format in PRESETS:
-        return key_format
-    fields = _template_fields(key_format)
-    if "hash" not in fields:
-        raise ValueError(
-            f"unknown key format {key_format!r}: use a preset ({', '.join(PRESETS)}) "
-            "or a template containing {hash}"
-        )
-    unknown = fields - TEMPLATE_FIELDS
-    if unknown:
-        raise ValueError(
-            f"key format template {key_format!r} uses unknown field(s) {sorted(unknown)}; "
-            f"allowed: {sorted(TEMPLATE_FIELDS)}"
-        )
-    return key_format
-
-
-def _template_fields(template: str) -> set[str]:
-    try:
-        return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as exc:
-        raise ValueError(f"key format template {template!r} is malformed: {exc}") from None
-
-
 def make_key_format(settings: Settings) -> KeyFormat:
     name = check_key_format(settings.kvs_key_format)
     if name == "llumnix":
@@ -68,9 +34,9 @@ def make_key_format(settings: Settings) -> KeyFormat:
     if name == "iris":
         prefix = settings.kvs_iris_meta_prefix + settings.kvs_vllm_block_prefix
         return KeyFormat(name, lambda block: prefix + block.value)
-    template = _PRESET_TEMPLATES.get(name, name)
+    template = PRESET_TEMPLATES.get(name, name)
     model = settings.kvs_model_name.rstrip("/").rsplit("/", 1)[-1]  # vLLM keys carry the basename
-    if "model" in _template_fields(template) and not model:
+    if "model" in template_fields(template) and not model:
         raise ValueError(f"key format {name!r} embeds the model name, which is not set (--kvs-model-name)")
     return KeyFormat(name, lambda block: template.format(hash=block.value, model=model, rank=0))
 

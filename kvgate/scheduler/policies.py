@@ -1,6 +1,6 @@
-"""One policy interface, four policies (`--dispatch-policy`, REFERENCE.md section 4).
+"""The policy interface and the Llumnix-style policies (`--dispatch-policy`, REFERENCE.md section 4).
 
-Every policy is an ordered list of metrics handed to the selector; they differ only in which
+Every policy here is an ordered list of metrics handed to the selector; they differ only in which
 metric, if any, goes in front of the configured load order:
 
 - round_robin: none at all, so every candidate ties and the selector's cursor rotates over them.
@@ -11,6 +11,7 @@ metric, if any, goes in front of the configured load order:
 
 The cache metric is used only for prompts of at least `--cache-aware-scheduling-min-tokens` and for
 candidate sets with a prefill or neutral instance: a decode instance's prefix does not matter.
+Policies are registered by name in registry.py (conductor has its own module, conductor.py).
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from kvgate.config.settings import DispatchPolicy, InstanceRole, Settings
-from kvgate.scheduler.scheduling_metrics import METRICS, CacheAwareAllPrefillsTokensNum, SchedulingMetric
+from kvgate.config.settings import InstanceRole, Settings
+from kvgate.scheduler.scheduling_metrics import SchedulingMetric
 from kvgate.scheduler.selector import Selector
 from kvgate.scheduler.types import Candidate, Decision, RoutingRequest
 
 
 class Policy(Protocol):
     name: str
+    # Whether the policy ranks on TTFT predictions (the scheduler then attaches them to requests).
+    needs_predictions: bool
 
     def uses_cache(self, num_prompt_tokens: int) -> bool:
         """Whether prefix hits may matter for a prompt this long (so the store is worth asking)."""
@@ -38,20 +41,21 @@ class Policy(Protocol):
 class MetricPolicy:
     """Ranks on `load_metrics`, with `cache_metric` in front when the request qualifies."""
 
+    needs_predictions = False
+
     def __init__(
         self,
         name: str,
-        load_metrics: Sequence[str],
-        cache_metric: str | None,
+        load_metrics: Sequence[SchedulingMetric],
+        cache_metric: SchedulingMetric | None,
         cache_min_tokens: int,
         selector: Selector,
-        metrics: Mapping[str, SchedulingMetric] = METRICS,
     ) -> None:
         self.name = name
-        self._load_metrics = [metrics[m] for m in load_metrics]
+        self._load_metrics = list(load_metrics)
         self._cache_metrics = (
-            [metrics[cache_metric]] + [metrics[m] for m in load_metrics if m != cache_metric]
-            if cache_metric
+            [cache_metric, *(m for m in load_metrics if m.name != cache_metric.name)]
+            if cache_metric is not None
             else self._load_metrics
         )
         self._uses_cache = cache_metric is not None
@@ -69,23 +73,30 @@ class MetricPolicy:
         return self._selector.select(metrics, candidates, request, cache_aware)
 
 
-def make_policy(settings: Settings, rng: random.Random | None = None) -> Policy:
-    policy = settings.effective_policy
-    order = settings.dispatch_metric_order
-    min_tokens = settings.cache_aware_scheduling_min_tokens
-    if policy == DispatchPolicy.ROUND_ROBIN:
-        # top_k does not apply: the rotation itself spreads the load.
-        return MetricPolicy(policy.value, (), None, min_tokens, Selector(1, rng))
-    selector = Selector(settings.dispatch_top_k, rng)
-    cache_metric = {
-        DispatchPolicy.LEAST_LOAD: None,
-        DispatchPolicy.PREFIX: "kv_cache_hit_len",
-        DispatchPolicy.CACHE_AWARE: "cache_aware_all_prefills_tokens_num",
-    }[policy]
-    metrics = {
-        **METRICS,
-        "cache_aware_all_prefills_tokens_num": CacheAwareAllPrefillsTokensNum(
-            settings.cache_aware_queued_tokens_weight
-        ),
-    }
-    return MetricPolicy(policy.value, order, cache_metric, min_tokens, selector, metrics)
+# --- factories: (settings, rng, the registry's metrics built from the settings) -> policy ---
+
+
+def _metric_policy(name: str, cache_metric: str | None):
+    def make(settings: Settings, rng: random.Random | None, metrics: Mapping[str, SchedulingMetric]) -> MetricPolicy:
+        order = [metrics[m] for m in settings.dispatch_metric_order]
+        return MetricPolicy(
+            name,
+            order,
+            metrics[cache_metric] if cache_metric else None,
+            settings.cache_aware_scheduling_min_tokens,
+            Selector(settings.dispatch_top_k, rng),
+        )
+
+    return make
+
+
+def make_round_robin(
+    settings: Settings, rng: random.Random | None, metrics: Mapping[str, SchedulingMetric]
+) -> MetricPolicy:
+    # top_k does not apply: the rotation itself spreads the load.
+    return MetricPolicy("round_robin", (), None, settings.cache_aware_scheduling_min_tokens, Selector(1, rng))
+
+
+make_least_load = _metric_policy("least_load", None)
+make_prefix = _metric_policy("prefix", "kv_cache_hit_len")
+make_cache_aware = _metric_policy("cache_aware", "cache_aware_all_prefills_tokens_num")

@@ -1,19 +1,24 @@
-"""The scheduler as the gateway and the simulator use it: hashing, keys, hits and the policy, wired
-from the settings. It holds no I/O and no load: callers ask the store and build the candidates.
+"""The scheduler as the gateway and the simulator use it: hashing, keys, hits, the policy, the TTFT
+model and the rejection filter, wired from the settings. It holds no I/O and no load: callers ask
+the store, build the candidates and pass the time in.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.scheduler.decode import DecodeChooser, PDDecision
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
-from kvgate.scheduler.policies import make_policy
 from kvgate.scheduler.prefix import EndpointMap, prefix_hit_tokens
-from kvgate.scheduler.types import Candidate, Decision, RoutingRequest
+from kvgate.scheduler.registry import make_policy
+from kvgate.scheduler.rejection import Rejection, RejectionFilter
+from kvgate.scheduler.tiers import TieredHits, tiered_hits
+from kvgate.scheduler.ttft import Predictions, TTFTModel, TTFTPrediction, TTFTProfile
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest
 
 
 class Scheduler:
@@ -24,6 +29,9 @@ class Scheduler:
         self._key_format = make_key_format(settings)
         self.policy = make_policy(settings, rng)
         self.endpoint_map = EndpointMap.from_instances(instances)
+        self.ttft = TTFTModel(TTFTProfile.from_settings(settings), settings.ttft_calibration)
+        self.rejection = RejectionFilter(settings.early_rejection, settings.ttft_slo_s, settings.tbt_slo_s)
+        self._instance_ids = {instance.id for instance in instances}
         self._decode = DecodeChooser()
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
@@ -36,8 +44,9 @@ class Scheduler:
         return self._key_format.keys(blocks)
 
     def wants_kvs(self, num_prompt_tokens: int) -> bool:
-        """Whether asking the store can change the decision for a prompt this long."""
-        return self.policy.uses_cache(num_prompt_tokens)
+        """Whether asking the store can change the decision (or the rejection filter's verdict,
+        which reads the predicted TTFT) for a prompt this long."""
+        return self.policy.uses_cache(num_prompt_tokens) or self.rejection.active
 
     def decide(
         self,
@@ -45,12 +54,51 @@ class Scheduler:
         blocks: Sequence[BlockHash],
         locations: Sequence[Collection[str]] | None,
         candidates: Sequence[Candidate],
+        *,
+        disk_locations: Sequence[Collection[str]] | None = None,
     ) -> Decision:
-        """Rank `candidates`. `locations` None means the store did not answer: no hits, load only."""
-        hits: dict[str, int] = {}
+        """Rank `candidates`. `locations` (memory replicas) None means the store did not answer: no
+        hits, load only. `disk_locations` count only with --kvs-query-disk-tier."""
+        local: dict[str, int] = {}
+        pool: Callable[[], TieredHits] = TieredHits.empty
         if locations is not None and self.wants_kvs(num_prompt_tokens):
-            hits = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
-        return self.policy.select(RoutingRequest(num_prompt_tokens, hits), candidates)
+            local = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
+            disk = disk_locations if self._settings.kvs_query_disk_tier else None
+            # The pool's view is built only if a prediction is read (conductor, rejection, debug).
+            pool = partial(tiered_hits, blocks, locations, disk, self.endpoint_map, num_prompt_tokens, local)
+        predictions = Predictions(self.ttft, candidates, num_prompt_tokens, pool)
+        request = RoutingRequest(num_prompt_tokens, local, predictions)
+        return self.policy.select(request, candidates)
+
+    def judge(
+        self, decision: Decision, candidates: Sequence[Candidate], decode_load: InstanceLoad | None = None
+    ) -> Rejection | None:
+        """The rejection filter on a decision: None to admit, else why to answer 429.
+
+        `decode_load` is the load of the instance that will decode; by default the selected one
+        (a fleet of whole-request instances). A prefill/decode split passes its decode choice's.
+        """
+        if not self.rejection.active or decision.selected is None or decision.predictions is None:
+            return None
+        if decode_load is None:
+            decode_load = next(c.load for c in candidates if c.id == decision.selected)
+        return self.rejection.judge(decision.predictions[decision.selected], decode_load, self.ttft)
+
+    def observe_dispatch(
+        self, decision: Decision, instance_id: str, num_prompt_tokens: int, max_tokens: int | None
+    ) -> TTFTPrediction | None:
+        """A request was sent to `instance_id` (the traffic's running means learn from it). Returns
+        the prediction to hand back to observe_ttft with the measured TTFT."""
+        if decision.predictions is None or instance_id not in decision.predictions:
+            return None
+        prediction = decision.predictions[instance_id]
+        self.ttft.observe_request(num_prompt_tokens, max_tokens)
+        return prediction
+
+    def observe_ttft(self, prediction: TTFTPrediction, measured_s: float) -> float:
+        """First byte minus dispatch, for the prediction made at dispatch; returns the error
+        (measured - predicted) and calibrates the instance."""
+        return self.ttft.observe_ttft(prediction, measured_s)
 
     @property
     def pd_enabled(self) -> bool:
@@ -65,10 +113,13 @@ class Scheduler:
         prefill_candidates: Sequence[Candidate],
         decode_candidates: Sequence[Candidate],
         predicted_decode_tokens: Mapping[str, int],
+        *,
+        disk_locations: Sequence[Collection[str]] | None = None,
     ) -> PDDecision:
         """Both halves of a disaggregated request: the configured policy over the prefill instances,
         decode load over the decode instances (scheduler/decode.py)."""
-        prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates)
+        prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates,
+                              disk_locations=disk_locations)
         decode = self._decode.choose(RoutingRequest(num_prompt_tokens), decode_candidates, predicted_decode_tokens)
         # The decode instance prefills a skipped request itself: what it misses is what it computes.
         decode_hit = 0
@@ -83,3 +134,6 @@ class Scheduler:
     def set_instances(self, instances: Sequence[InstanceConfig]) -> None:
         """Instances added or removed at run time: their store endpoints change with them."""
         self.endpoint_map = EndpointMap.from_instances(instances)
+        ids = {instance.id for instance in instances}
+        self.ttft.forget(sorted(self._instance_ids - ids))
+        self._instance_ids = ids

@@ -1,4 +1,5 @@
 """Scheduling metrics, Llumnix style: each has a name, a value per candidate and a direction.
+They are registered by name in registry.py.
 
 A metric computes a whole column (one value per candidate) at once: with 1024 instances a Python
 call per candidate and metric would cost more than the decision is allowed to take.
@@ -46,7 +47,7 @@ class SchedulingMetric(ABC):
         return self.values((candidate,), request)[0]
 
 
-class _LoadMetric(SchedulingMetric):
+class LoadMetric(SchedulingMetric):
     """A field of the candidate's InstanceLoad, read as is."""
 
     def __init__(self, name: str) -> None:
@@ -77,6 +78,8 @@ class CacheAwareAllPrefillsTokensNum(SchedulingMetric):
     name = "cache_aware_all_prefills_tokens_num"
 
     def __init__(self, queued_tokens_weight: float = 1.0) -> None:
+        if not queued_tokens_weight >= 0:
+            raise ValueError("the queued tokens weight must be >= 0")
         self._weight = queued_tokens_weight
 
     def values(self, candidates: Sequence[Candidate], request: RoutingRequest) -> list[float]:
@@ -85,17 +88,3 @@ class CacheAwareAllPrefillsTokensNum(SchedulingMetric):
         return [
             miss + weight * q for miss, q in zip(miss_tokens_column(candidates, request), queued, strict=True)
         ]
-
-
-# Llumnix's definitions; policies replace the cache metric with one of the configured weight.
-METRICS: dict[str, SchedulingMetric] = {
-    metric.name: metric
-    for metric in (
-        KvCacheHitLen(),
-        CacheAwareAllPrefillsTokensNum(),
-        _LoadMetric("all_prefills_tokens_num"),
-        _LoadMetric("num_requests"),
-        _LoadMetric("num_waiting_requests"),
-        _LoadMetric("kv_cache_usage_ratio"),
-    )
-}

@@ -33,7 +33,8 @@ class Selector:
     ) -> Decision:
         """Best first. With top_k > 1 the first place goes to one of the k best at random."""
         if not candidates:
-            return Decision(selected=None, ranking=(), scores=(), cache_aware=cache_aware)
+            return Decision(selected=None, ranking=(), scores=(), cache_aware=cache_aware,
+                            predictions=request.predictions)
         ids = [candidate.id for candidate in candidates]
         columns = [metric.values(candidates, request) for metric in metrics]
         # One key tuple per candidate, then a single sort: no Python call per comparison.
@@ -51,6 +52,7 @@ class Selector:
             ranking=tuple(ids[i] for i in order),
             scores=ScoreTable(metrics, columns, candidates, order, request),
             cache_aware=cache_aware,
+            predictions=request.predictions,
         )
 
 

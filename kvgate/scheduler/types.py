@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvgate.config.settings import InstanceRole
+
+if TYPE_CHECKING:
+    from kvgate.scheduler.ttft import TTFTPrediction
 
 
 @dataclass(slots=True)
@@ -44,6 +48,8 @@ class RoutingRequest:
     num_prompt_tokens: int
     # Contiguous-from-chunk-0 hit tokens per instance id; an instance absent here has no hit.
     prefix_hit_tokens: Mapping[str, int] = field(default_factory=dict)
+    # Predicted TTFT per candidate id (ttft.Predictions, computed when read); None when not needed.
+    predictions: Mapping[str, TTFTPrediction] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +72,5 @@ class Decision:
     # the entries only when read: most decisions read the winner's score alone.
     scores: Sequence[InstanceScore]
     cache_aware: bool
+    # Predicted TTFT per candidate id (ttft.Predictions, computed when read).
+    predictions: Mapping[str, TTFTPrediction] | None = None

@@ -45,6 +45,7 @@ class PDReplay(Replay):
         seed: int = 0,
         show_progress: bool = False,
         reference=None,
+        store_model: str = "shared",
     ) -> None:
         if num_prefill < 1 or num_decode < 1:
             raise ValueError("a disaggregated fleet needs at least one prefill and one decode instance")
@@ -54,6 +55,7 @@ class PDReplay(Replay):
         super().__init__(
             requests, settings, total, profile, seed=seed, show_progress=show_progress,
             reference=reference or hit_ratio_reference(requests, total * profile.cache_capacity_blocks),
+            store_model=store_model,
         )
         for slot, inst in enumerate(self.instances):
             role = InstanceRole.PREFILL if slot < num_prefill else InstanceRole.DECODE
@@ -116,7 +118,9 @@ class PDReplay(Replay):
             self.ttft[i] = now - requests[i].arrival_s
             self.account.first_token(rid + "/d", now)
         for rid in out.finished:
-            self.finish[int(rid)] = now
+            i = int(rid)
+            self.finish[i] = now
+            self.tbt[i] = (now - requests[i].arrival_s - self.ttft[i]) / max(1, requests[i].output_length - 1)
             self.account.release(rid + "/d")
             self.ledger.release(rid)
 
@@ -150,7 +154,8 @@ def simulate_pd(
     kv_transfer_tokens_per_s: float = DEFAULT_KV_TRANSFER_TOKENS_PER_S,
     seed: int = 0,
     show_progress: bool = False,
+    store_model: str = "shared",
 ) -> SimulationResult:
     return PDReplay(requests, settings, num_prefill, num_decode, profile,
                     kv_transfer_tokens_per_s=kv_transfer_tokens_per_s, seed=seed,
-                    show_progress=show_progress).run()
+                    show_progress=show_progress, store_model=store_model).run()

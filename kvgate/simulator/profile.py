@@ -14,6 +14,14 @@ from kvgate.simulator.trace import TRACE_BLOCK_TOKENS
 # deployment; HBM alone (--cache-capacity-blocks 832) caps every policy far below the ideal.
 HBM_BLOCKS = 832
 DEFAULT_CACHE_BLOCKS = 8 * HBM_BLOCKS
+# `kvgate simulate --store-model` (see simulator/replay.py): one shared pool, or a cache per instance.
+STORE_MODELS = ("shared", "local")
+
+
+def hbm_blocks(cache_capacity_blocks: int) -> int:
+    """The HBM part of an instance's cache under the shared store model: the default's ratio
+    (832 of 6656 blocks), the rest being its DRAM segment."""
+    return max(1, cache_capacity_blocks * HBM_BLOCKS // DEFAULT_CACHE_BLOCKS)
 
 
 def trace_profile(cache_capacity_blocks: int = DEFAULT_CACHE_BLOCKS) -> ServiceProfile:

@@ -9,10 +9,23 @@ scraped every `stats_poll_interval_s`), `Scheduler.decide`, then `LoadAccount.di
 Engines are `EngineCore`s with 512-token blocks (one trace hash id each). Pure decode stretches
 are fast-forwarded up to the next arrival (see EngineCore.step), which is what makes an hour of
 trace take seconds.
+
+Store models (`--store-model`):
+- shared (a Mooncake deployment): each instance has an HBM prefix cache of an eighth of its
+  capacity (profile.hbm_blocks) and a DRAM segment of the rest in one shared store (engine_model.store): what it computes
+  goes to its segment, and a prefix missing from HBM is loaded from its own segment at host-link
+  bandwidth or from another's at network bandwidth. The index reports the segments.
+- local: one cache per instance of the whole capacity, loaded for free, reported as is (no
+  instance can use another's blocks).
+
+Before dispatch the scheduler's rejection filter runs (`--early-rejection`); a rejected request
+is counted and never reaches an engine. Measured TTFTs (first token minus dispatch) calibrate the
+TTFT model as the gateway's first bytes do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -24,12 +37,15 @@ from tqdm import tqdm
 
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile, StepOutcome
+from kvgate.engine_model.store import SharedStore, StoreLoad, StoreProfile
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
+from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, EngineStats
-from kvgate.simulator.report import HitRatioReference, SimulationSummary, summarise
+from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
+from kvgate.simulator.report import HitRatioReference, SimulationSummary, SLOOutcome, summarise
 from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
 
 KVS_PORT = 17901
@@ -78,12 +94,16 @@ class Replay:
         seed: int = 0,
         show_progress: bool = False,
         reference: HitRatioReference,
+        store_model: str = "shared",
     ) -> None:
         if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
             raise ValueError(
                 f"the trace's blocks are {TRACE_BLOCK_TOKENS} tokens: the profile's block size and"
                 f" --kvs-chunk-size must be too (got {profile.block_size} and {settings.kvs_chunk_size})"
             )
+        if store_model == "local":
+            # No instance can load another's blocks: the TTFT model must never plan a transfer.
+            settings = settings.model_copy(update={"kvcache_balancing_threshold": math.inf})
         self._requests = requests
         self._settings = settings
         self._show_progress = show_progress
@@ -91,7 +111,13 @@ class Replay:
         self.scheduler = Scheduler(settings, configs, rng=random.Random(seed))
         self.account = LoadAccount(settings.request_local_account_staleness_s)
         self.index = EmbeddedKVSIndex()
-        self.instances = [SimInstance(c, EngineCore(profile, self._publisher(c))) for c in configs]
+        self.store = self._shared_store(store_model, profile, settings, len(configs))
+        if self.store is not None:
+            profile = dataclasses.replace(profile, cache_capacity_blocks=hbm_blocks(profile.cache_capacity_blocks))
+        self.instances = [
+            SimInstance(c, EngineCore(profile, self._publisher(slot, c), self._store_loader(slot)))
+            for slot, c in enumerate(configs)
+        ]
         self._slot_of = {inst.config.id: slot for slot, inst in enumerate(self.instances)}
         self._reference = reference
         self._next_arrival_at = math.inf
@@ -101,20 +127,54 @@ class Replay:
         self.ttft = [math.nan] * n
         self.queue = [math.nan] * n
         self.finish = [math.nan] * n
+        self.tbt = [math.nan] * n
+        self.rejected = [False] * n
+        self._predictions: dict[int, tuple[TTFTPrediction, float]] = {}
         self.steps = 0
         self.prefill_time_s = 0.0
+        self.transfer_tokens = 0
 
-    def _publisher(self, config: InstanceConfig) -> Callable[[list[str], list[str]], None]:
-        endpoint = config.kvs_endpoints[0]
+    @staticmethod
+    def _shared_store(store_model: str, profile: ServiceProfile, settings: Settings, count: int) -> SharedStore | None:
+        if store_model not in STORE_MODELS:
+            raise ValueError(f"--store-model: unknown {store_model!r}; choose from {', '.join(STORE_MODELS)}")
+        if store_model == "local":
+            return None
+        # The TTFT model's profile (--kv-*) is what the simulated hardware does, until calibrated.
+        store_profile = StoreProfile(settings.kv_bytes_per_token, settings.kv_host_bandwidth_gb_s * 1e9,
+                                     settings.kv_network_bandwidth_gb_s * 1e9)
+        capacity = profile.cache_capacity_blocks
+        return SharedStore(count, max(1, capacity - hbm_blocks(capacity)), TRACE_BLOCK_TOKENS, store_profile)
+
+    def _publisher(self, slot: int, config: InstanceConfig) -> Callable[[list[str], list[str]], None]:
         index = self.index
+        store = self.store
+        endpoint = config.kvs_endpoints[0]
+        if store is None:
 
-        def on_cache_change(added: list[str], evicted: list[str]) -> None:
-            if evicted:
-                index.remove(evicted, endpoint)
-            if added:
-                index.add(added, endpoint)
+            def on_cache_change(added: list[str], evicted: list[str]) -> None:
+                if evicted:
+                    index.remove(evicted, endpoint)
+                if added:
+                    index.add(added, endpoint)
 
-        return on_cache_change
+            return on_cache_change
+
+        def on_computed(added: list[str], evicted_from_hbm: list[str]) -> None:
+            # HBM evictions stay in the store; what was computed goes to this instance's segment.
+            stored, dropped = store.store(slot, added)
+            if dropped:
+                index.remove(dropped, endpoint)
+            if stored:
+                index.add(stored, endpoint)
+
+        return on_computed
+
+    def _store_loader(self, slot: int) -> Callable[[tuple[str, ...]], StoreLoad] | None:
+        store = self.store
+        if store is None:
+            return None
+        return lambda keys: store.plan_load(slot, keys)
 
     def _push(self, when: float, priority: int, instance: int) -> None:
         self._seq += 1
@@ -188,15 +248,22 @@ class Replay:
             for inst in self.instances
         ]
         decision = scheduler.decide(n, blocks, locations, candidates)
+        max_tokens = max(1, req.output_length)
+        if scheduler.judge(decision, candidates) is not None:
+            self.rejected[req.index] = True
+            return
         chosen = decision.scores[0]
         rid = str(req.index)
         account.dispatch(rid, chosen.id, chosen.prefix_miss_tokens, now)
+        prediction = scheduler.observe_dispatch(decision, chosen.id, n, max_tokens)
+        if prediction is not None:
+            self._predictions[req.index] = (prediction, now)
         slot = self._slot_of[chosen.id]
         inst = self.instances[slot]
         inst.requests += 1
         full_keys = tuple(keys[: n // TRACE_BLOCK_TOKENS])
         # Every request yields at least its first token, whatever the trace recorded.
-        inst.engine.submit(EngineRequest(rid, full_keys, n, max(1, req.output_length)), now)
+        inst.engine.submit(EngineRequest(rid, full_keys, n, max_tokens), now)
         if not inst.busy:
             inst.busy = True
             self._push(now, _STEP_START, slot)
@@ -212,6 +279,7 @@ class Replay:
             self.prefill_time_s += out.duration_s
         for rid, waited in out.admitted:
             self.queue[int(rid)] = waited
+        self.transfer_tokens += out.loaded_remote_tokens
         inst.pending = out
         self._push(now + out.duration_s, _STEP_END, slot)
 
@@ -236,8 +304,15 @@ class Replay:
             i = int(rid)
             self.ttft[i] = now - requests[i].arrival_s
             account.first_token(rid, now)
+            predicted = self._predictions.pop(i, None)
+            if predicted is not None:
+                self.scheduler.observe_ttft(predicted[0], now - predicted[1])
         for rid in out.finished:
-            self.finish[int(rid)] = now
+            i = int(rid)
+            self.finish[i] = now
+            # Mean time between tokens after the first (0 for a one-token answer).
+            first_token_at = requests[i].arrival_s + self.ttft[i]
+            self.tbt[i] = (now - first_token_at) / max(1, requests[i].output_length - 1)
             account.release(rid)
 
     def _scrape(self, now: float) -> None:
@@ -267,16 +342,11 @@ class Replay:
             prefill_time_s=self.prefill_time_s,
             engine_steps=self.steps,
             wall_time_s=wall_time_s,
+            slo=SLOOutcome.measure(self.ttft, self.tbt, self.rejected, self._settings.ttft_slo_s,
+                                   self._settings.tbt_slo_s),
+            transfer_tokens=self.transfer_tokens,
         )
-        return SimulationResult(summary, ttfts, self._tbts())
-
-    def _tbts(self) -> list[float]:
-        """Each finished request's mean time between output tokens (after the first)."""
-        tbts = []
-        for req, ttft, finish in zip(self._requests, self.ttft, self.finish, strict=True):
-            if req.output_length > 1 and not math.isnan(ttft) and not math.isnan(finish):
-                tbts.append((finish - req.arrival_s - ttft) / (req.output_length - 1))
-        return tbts
+        return SimulationResult(summary, ttfts, [t for t in self.tbt if not math.isnan(t)])
 
 
 @dataclass(frozen=True)
@@ -284,7 +354,7 @@ class SimulationResult:
     summary: SimulationSummary
     # Every request's time to first token, in trace order (for CDF plots).
     ttfts: list[float]
-    # Mean time between tokens of every request with more than one output token.
+    # Every finished request's mean time between tokens after the first (0 for one-token answers).
     tbts: list[float] = field(default_factory=list)
 
 
@@ -303,6 +373,7 @@ def simulate(
     seed: int = 0,
     show_progress: bool = False,
     reference: HitRatioReference | None = None,
+    store_model: str = "shared",
 ) -> SimulationResult:
     """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines."""
     replay = Replay(
@@ -313,5 +384,6 @@ def simulate(
         seed=seed,
         show_progress=show_progress,
         reference=reference or hit_ratio_reference(requests, num_instances * profile.cache_capacity_blocks),
+        store_model=store_model,
     )
     return replay.run()

@@ -26,6 +26,30 @@ class HitRatioReference:
 
 
 @dataclass(frozen=True)
+class SLOOutcome:
+    """Requests against the SLOs (an SLO of 0 is no constraint)."""
+
+    rejected: int
+    within_slo: int
+    arrived: int
+
+    @classmethod
+    def measure(
+        cls, ttfts: Sequence[float], tbts: Sequence[float], rejected: Sequence[bool], ttft_slo_s: float,
+        tbt_slo_s: float,
+    ) -> SLOOutcome:
+        """`ttfts`/`tbts` per arrived request, NaN for one rejected or unfinished."""
+        within = sum(
+            1
+            for ttft, tbt in zip(ttfts, tbts, strict=True)
+            if not math.isnan(tbt)
+            and (ttft_slo_s <= 0 or ttft <= ttft_slo_s)
+            and (tbt_slo_s <= 0 or tbt <= tbt_slo_s)
+        )
+        return cls(sum(rejected), within, len(ttfts))
+
+
+@dataclass(frozen=True)
 class SimulationSummary:
     policy: str
     instances: int
@@ -53,6 +77,13 @@ class SimulationSummary:
     min_instance_requests: int
     engine_steps: int
     wall_time_s: float
+    # Fraction of arrived requests served within both SLOs, and those per second of makespan.
+    slo_attainment: float
+    goodput_rps: float
+    # Requests the rejection filter refused (429 at a gateway).
+    rejected: int
+    # Prompt tokens loaded from other instances' segments of the shared store (0 with a local store).
+    transfer_tokens: int
 
     def to_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
@@ -72,6 +103,8 @@ def summarise(
     prefill_time_s: float,
     engine_steps: int,
     wall_time_s: float,
+    slo: SLOOutcome,
+    transfer_tokens: int,
 ) -> SimulationSummary:
     ttft_sorted = sorted(ttfts)
     queue_sorted = sorted(queue_times)
@@ -98,4 +131,8 @@ def summarise(
         min_instance_requests=min(per_instance_requests, default=0),
         engine_steps=engine_steps,
         wall_time_s=wall_time_s,
+        slo_attainment=slo.within_slo / slo.arrived if slo.arrived else math.nan,
+        goodput_rps=slo.within_slo / makespan if makespan > 0 else math.nan,
+        rejected=slo.rejected,
+        transfer_tokens=transfer_tokens,
     )
