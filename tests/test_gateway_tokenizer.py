@@ -32,7 +32,7 @@ def tokenizer():
 
 @pytest.fixture()
 def service(tokenizer):
-    svc = TokenizerService(tokenizer, cache_size=256)
+    svc = TokenizerService(tokenizer, cache_bytes=1 << 20)
     yield svc
     svc.close()
 
@@ -82,7 +82,7 @@ _TEXT = st.lists(st.sampled_from(_PIECES), max_size=1500).map("".join)
 @pytest.fixture()
 def fine_service(tokenizer):
     """Every boundary taken (no merging of short segments), so random texts exercise each cut."""
-    svc = TokenizerService(tokenizer, cache_size=256, min_segment_chars=1)
+    svc = TokenizerService(tokenizer, cache_bytes=1 << 20, min_segment_chars=1)
     yield svc
     svc.close()
 
@@ -105,7 +105,7 @@ async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
     ids, short = await asyncio.gather(service.encode_prompt(long_text), service.encode_prompt("hi"))
     assert ids == tokenizer.encode(long_text) and short == tokenizer.encode("hi")
     messages = [{"role": "user", "content": long_text}]
-    assert await service.encode_chat(messages) == full_chat_ids(tokenizer, messages)
+    assert await service.encode_chat(messages, body_bytes=len(long_text)) == full_chat_ids(tokenizer, messages)
 
 
 async def test_a_long_prompt_never_queues_a_medium_one_behind_it(tokenizer, service, monkeypatch):
@@ -187,6 +187,78 @@ def test_tokenizer_whose_boundaries_are_not_independent_falls_back_to_whole_text
         assert svc.encode_prompt_sync(text) == tok.encode(text)
     finally:
         svc.close()
+
+
+def test_the_cache_accounts_what_its_entries_really_cost_and_stays_under_its_bytes(tokenizer):
+    import tracemalloc
+
+    capacity = 4 << 20
+    svc = TokenizerService(tokenizer, cache_bytes=capacity)
+    def texts(first: int, last: int) -> list[str]:
+        return [f"doc {i}\n" + "lorem ipsum dolor sit amet, " * 2000 for i in range(first, last)]  # ~56 KB
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for text in texts(0, 8):  # made here so that the cache alone keeps them afterwards
+            svc.encode_prompt_sync(text)
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # What the cache says it holds is what the process really holds for it (within 15%).
+    assert abs(svc.cached_bytes - measured) < 0.15 * measured, (svc.cached_bytes, measured)
+    later = texts(8, 64)
+    for text in later:
+        svc.encode_prompt_sync(text)
+    assert 0 < svc.cached_bytes <= capacity
+    assert svc.encode_prompt_sync(later[0]) == tokenizer.encode(later[0])  # evicted, encoded again exactly
+    svc.close()
+
+
+def test_a_segment_over_an_eighth_of_the_cache_is_not_cached(tokenizer):
+    svc = TokenizerService(tokenizer, cache_bytes=64 * 1024)
+    svc.encode_prompt_sync("x " * 20000)  # one line of 40 KB: over 8 KB
+    assert svc.cached_segments == 0
+    svc.close()
+
+
+def test_prompts_over_max_tokens_are_refused_before_and_after_encoding(tokenizer):
+    from kvgate.gateway.tokenizer import PromptTooLong
+
+    svc = TokenizerService(tokenizer)
+    text = "hello " * 1000
+    exact = len(svc.encode_prompt_sync(text))
+    assert len(svc.encode_prompt_sync(text, max_tokens=exact)) == exact
+    with pytest.raises(PromptTooLong) as refused:
+        svc.encode_prompt_sync(text, max_tokens=exact - 1)
+    assert refused.value.tokens == exact
+    # Far over the limit (more than 4 characters per allowed token): counted first, refused unencoded.
+    with pytest.raises(PromptTooLong) as counted:
+        svc.encode_prompt_sync("hello " * 10000, max_tokens=100)
+    assert counted.value.tokens > 100 and svc.cached_segments == 1  # only the first text was cached
+    with pytest.raises(PromptTooLong):
+        svc.encode_chat_sync([{"role": "user", "content": text}], max_tokens=exact - 1)
+    svc.close()
+
+
+def test_the_prompt_limit_comes_from_the_flag_the_instances_or_the_tokenizer():
+    from types import SimpleNamespace
+
+    from kvgate.config.settings import InstanceConfig
+    from kvgate.gateway.prompt_limit import FALLBACK_MAX_PROMPT_TOKENS, PromptLimit
+
+    instances = [InstanceConfig(id="a", url="http://127.0.0.1:1", model="m", max_model_len=8192),
+                 InstanceConfig(id="b", url="http://127.0.0.1:2", model="m", max_model_len=32768),
+                 InstanceConfig(id="c", url="http://127.0.0.1:3", model="other")]
+    known = SimpleNamespace(model_max_length=16384)
+    unknown = SimpleNamespace(model_max_length=int(1e30))  # Hugging Face's "not set"
+    assert PromptLimit(0, known, instances).tokens("m") == 32768  # the largest context serving "m"
+    assert PromptLimit(0, known, instances).tokens("other") == 16384
+    assert PromptLimit(0, unknown, instances).tokens("other") == FALLBACK_MAX_PROMPT_TOKENS
+    assert PromptLimit(1000, known, instances).tokens("m") == 1000
+    limit = PromptLimit(0, known, instances)
+    limit.set_instances(instances[:1])  # "b" removed at run time
+    assert limit.tokens("m") == 8192
 
 
 def test_add_special_tokens_follows_the_request(tmp_path):

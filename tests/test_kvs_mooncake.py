@@ -101,3 +101,17 @@ async def test_master_frozen_then_killed_mid_run(tmp_path):
         finally:
             holder.kill()
             await client.close()
+
+
+async def test_only_the_first_blocks_are_asked_of_the_real_master(mooncake_master, tmp_path):
+    run = uuid.uuid4().hex[:8]
+    keys = [f"{run}block{i}" for i in range(6)]
+    settings = Settings(kvs_query_budget_ms=2000, kvs_max_query_blocks=4)
+    client = _client(mooncake_master.admin_url, settings)
+    with store_client(mooncake_master, "127.0.0.5", tmp_path) as holder:
+        assert holder.publish(keys) == []
+        lookup = await client.lookup(keys)
+        # Every block is held, but only the first 4 were asked: the rest count as held nowhere.
+        assert lookup.status == "ok"
+        assert lookup.locations == [(holder.endpoint,)] * 4 + [()] * 2
+    await client.close()

@@ -302,6 +302,54 @@ async def test_keys_the_master_cannot_be_asked_are_absent_and_the_rest_answered(
     await client.close()
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_over_the_size_bound_is_a_store_failure_with_a_metric(aiohttp_free_server, chunked):
+    # 2 MB: an answer a master with a huge replica list (or anything posing as one) could send.
+    filler = {"ok": False, "error": "OBJECT_NOT_FOUND", "values": None, "note": "x" * 2_000_000}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        keys = request.query["keys"].split(",")
+        body = orjson.dumps({"success": True, "data": {**{k: _in_memory(ENDPOINT) for k in keys}, "pad": filler}})
+        if not chunked:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for at in range(0, len(body), 65536):
+            await response.write(body[at:at + 65536])
+        await response.write_eof()
+        return response
+
+    registry = CollectorRegistry()
+    settings = SETTINGS.model_copy(update={"kvs_query_budget_ms": 2000, "kvs_retry_times": 0})
+    client = _client(await aiohttp_free_server(handle), settings, registry, max_answer_bytes=1024 * 1024)
+    lookup = await client.lookup(["k0", "k1"])
+    assert lookup.status == "error" and lookup.locations == [(), ()]
+    assert registry.get_sample_value("kvgate_kvs_oversized_answers_total", {"backend": "mooncake"}) == 1
+    roomy = _client(await aiohttp_free_server(handle), settings, max_answer_bytes=4 * 1024 * 1024)
+    assert (await roomy.lookup(["k0"])).locations == [(ENDPOINT,)]
+    await client.close()
+    await roomy.close()
+
+
+async def test_only_the_first_blocks_are_asked(aiohttp_free_server):
+    # Hits are contiguous from block 0, so a long prompt's first blocks decide its ranking.
+    asked: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        keys = request.query["keys"].split(",")
+        asked.extend(keys)
+        return web.json_response(_answer(keys, {k: _in_memory(ENDPOINT) for k in keys}))
+
+    url = await aiohttp_free_server(handle)
+    client = _client(url, SETTINGS.model_copy(update={"kvs_max_query_blocks": 10}))
+    keys = [f"k{i}" for i in range(100)]
+    lookup = await client.lookup(keys)
+    assert asked == keys[:10]
+    assert lookup.status == "ok" and lookup.locations == [(ENDPOINT,)] * 10 + [()] * 90
+    await client.close()
+
+
 @pytest.fixture
 async def aiohttp_free_server() -> AsyncIterator:
     """start(handler) -> base URL of a real aiohttp server on a free loopback port serving it."""

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "overhead": "kvgate.bench.overhead",
     "replay": "kvgate.bench.replay",
     "routers": "kvgate.bench.routers",
+    "soak": "kvgate.bench.soak",
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, Settings
 from kvgate.scheduler.registry import check_settings
 
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(cli_values, config_path=args.config)
         check_settings(settings)
-    except ConfigError as exc:
+        check_pd_serving(settings.instances, settings.pd_protocol)
+    except (ConfigError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     # Imported after validation: aiohttp, transformers and the scheduler are not needed to reject a config.

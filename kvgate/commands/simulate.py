@@ -102,6 +102,12 @@ def add_parser(subparsers) -> None:
         help="space requests recorded at one timestamp evenly until the next (the conversation trace "
         "records 3 s bursts; see simulator/replicas.py)",
     )
+    # --- prefill/decode disaggregation (docs/PD.md) ---
+    parser.add_argument("--prefill-instances", type=int, help="with --decode-instances: replay over a "
+                        "disaggregated fleet, compared with as many neutral instances (TTFT and time between tokens)")
+    parser.add_argument("--decode-instances", type=int, help="decode instances of the disaggregated fleet")
+    parser.add_argument("--kv-transfer-tokens-per-s", type=float, default=None,
+                        help="prompt tokens per second moved from a prefill to a decode instance (default 100000)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", help="write TTFT CDFs per policy to this image file")
     add_settings_arguments(parser)
@@ -130,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
 
+    if args.prefill_instances is not None or args.decode_instances is not None:
+        return _run_pd(args, base, requests, profile)
     reference = hit_ratio_reference(requests, args.num_instances * profile.cache_capacity_blocks)
     show_progress = not args.json and sys.stderr.isatty()
     results = {}
@@ -192,6 +200,66 @@ def _gateways(policy: str, settings: Settings, replicas: int) -> list[tuple[str,
         (f"{policy}, {replicas} replicas blind", GatewayReplicas(replicas, staleness, None)),
         (f"{policy}, {replicas} replicas synced {interval:g} s", GatewayReplicas(replicas, staleness, interval)),
     ]
+
+
+# Columns of the PD comparison: (row field, header, format).
+_PD_COLUMNS = (
+    ("fleet", "fleet", "{}"),
+    ("requests", "requests", "{}"),
+    ("prefix_hit_ratio", "hit ratio", "{:.1%}"),
+    ("p50_ttft_s", "p50 TTFT s", "{:.3f}"),
+    ("p90_ttft_s", "p90 TTFT s", "{:.3f}"),
+    ("p99_ttft_s", "p99 TTFT s", "{:.3f}"),
+    ("p50_tbt_ms", "p50 TBT ms", "{:.1f}"),
+    ("p90_tbt_ms", "p90 TBT ms", "{:.1f}"),
+    ("p99_tbt_ms", "p99 TBT ms", "{:.1f}"),
+    ("wall_time_s", "wall s", "{:.1f}"),
+)
+
+
+def _run_pd(args: argparse.Namespace, settings: Settings, requests, profile) -> int:
+    """P prefill + D decode instances against P + D neutral ones, same policy, same trace."""
+    from kvgate.simulator.pd_replay import DEFAULT_KV_TRANSFER_TOKENS_PER_S, simulate_pd
+    from kvgate.simulator.replay import simulate
+    from kvgate.simulator.report import percentile
+
+    prefill, decode = args.prefill_instances, args.decode_instances
+    rate = args.kv_transfer_tokens_per_s or DEFAULT_KV_TRANSFER_TOKENS_PER_S
+    if prefill is None or decode is None or prefill < 1 or decode < 1 or rate <= 0:
+        print("kvgate simulate: --prefill-instances and --decode-instances go together, each >= 1; "
+              "--kv-transfer-tokens-per-s > 0", file=sys.stderr)
+        return 2
+    show_progress = not args.json and sys.stderr.isatty()
+    try:
+        runs = {
+            f"neutral x{prefill + decode}": simulate(requests, settings, prefill + decode, profile, seed=args.seed,
+                                                      show_progress=show_progress, store_model=args.store_model),
+            f"pd {prefill}P+{decode}D": simulate_pd(requests, settings, prefill, decode, profile, seed=args.seed,
+                                                    kv_transfer_tokens_per_s=rate, show_progress=show_progress,
+                                                    store_model=args.store_model),
+        }
+    except ValueError as exc:
+        print(f"kvgate simulate: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for fleet, result in runs.items():
+        tbts = sorted(result.tbts)
+        summary = result.summary.to_dict()
+        rows.append({"fleet": fleet, **{k: summary[k] for k in (
+            "requests", "prefix_hit_ratio", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "wall_time_s")},
+            **{f"p{q}_tbt_ms": percentile(tbts, q) * 1000 if tbts else None for q in (50, 90, 99)}})
+    if args.json:
+        body = {"trace": args.trace, "policy": settings.effective_policy, "time_scale": args.time_scale,
+                "store_model": args.store_model,
+                "kv_transfer_tokens_per_s": rate, "fleets": rows}
+        sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    table = tabulate([[_cell(fmt, row[field]) for field, _, fmt in _PD_COLUMNS] for row in rows],
+                     headers=[h for _, h, _ in _PD_COLUMNS], disable_numparse=True)
+    print(f"trace {args.trace}: {len(requests)} requests, policy {settings.effective_policy}, "
+          f"{args.store_model} store, time scale {args.time_scale:g}, KV transfer {rate:,.0f} tokens/s, KV cache {profile.cache_capacity_blocks} "
+          f"blocks/instance\n\n{table}")
+    return 0
 
 
 def _policies(args: argparse.Namespace) -> list[str]:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvgate.config import instance_rules
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.key_formats import check_key_format
+from kvgate.config.pd import check_pd_fleet
 
 
 class KVSBackendName(StrEnum):
@@ -28,6 +29,11 @@ class HashAlgo(StrEnum):
     SHA256_CBOR = "sha256_cbor"
     SHA256_HEX = "sha256_hex"
     XXHASH = "xxhash"
+
+
+class PDProtocol(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
 
 
 class DebugRoutes(StrEnum):
@@ -81,6 +87,13 @@ class InstanceConfig(BaseModel):
     role: InstanceRole = InstanceRole.NEUTRAL
     # IPs or IP:port that hold this instance's KV cache in the store (Mooncake transport endpoints).
     kvs_endpoints: tuple[str, ...] = ()
+    # The engine's context length (vLLM --max-model-len); bounds the prompts the gateway accepts.
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    # --- prefill/decode disaggregation: a prefill instance's KV hand-off endpoint (docs/PD.md) ---
+    # SGLang: its --disaggregation-bootstrap-port (None: SGLang's default 8998). vLLM: set only for the
+    # Mooncake connector, whose bootstrap server kvgate names to the decode instance.
+    bootstrap_port: Annotated[int | None, Field(ge=1, le=65535)] = None
+    bootstrap_host: str = Field("", description="Host of the bootstrap server; empty: the URL's host.")
     # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
     cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
 
@@ -165,11 +178,12 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     tokenizer: str = Field("", description="Local directory or name of a Hugging Face tokenizer (offline).")
     chat_template: str = Field("", description="Jinja chat template file overriding the tokenizer's.")
-    tokenize_cache_size: int = Field(4096, ge=0, description="Prefix-aware tokenize cache entries.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     forward_retries: int = Field(2, ge=0, description="Retries on the next-best instance before the first byte.")
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
-    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        600.0, gt=0, description="Longest gap between an engine's chunks, and the wait for a whole (non-streamed) answer."
+    )
     health_check_interval_s: float = Field(2.0, gt=0)
     health_check_failures_to_eject: int = Field(2, ge=1)
     stats_poll_interval_s: float = Field(1.0, gt=0)
@@ -235,6 +249,43 @@ class Settings(BaseModel):
     )
     account_sync_ttl_s: float = Field(
         1.0, gt=0, description="A replica's published rows vanish this long after its last publication."
+    )
+
+    # --- hardening: memory bounds, hung engines, bounded store answers (docs/OPERATIONS.md) ---
+    tokenize_cache_bytes: int = Field(
+        128 * 1024 * 1024, ge=0,
+        description="Bytes the tokenize cache may hold (token ids and their text); 0 disables it.",
+    )
+    max_prompt_tokens: int = Field(
+        0, ge=0,
+        description="Longest prompt accepted, in tokens (400 beyond). 0: the model's context, from the "
+        "instances' max_model_len, else the tokenizer's model_max_length.",
+    )
+    upstream_first_byte_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Longest wait for a stream's first bytes from an engine; past it the request is retried "
+        "on another instance. --upstream-read-timeout-s then bounds each gap between chunks.",
+    )
+    outlier_consecutive_failures: int = Field(
+        5, ge=0, description="Eject an instance after this many failed requests in a row (0: off)."
+    )
+    outlier_ejection_s: float = Field(
+        30.0, gt=0, description="An outlier stays ejected at least this long; then a passing health check readmits it.",
+    )
+    kvs_max_query_blocks: int = Field(
+        1024, ge=1, description="Only a prompt's first N blocks are asked of the KV store."
+    )
+    kvs_max_answer_bytes: int = Field(
+        1024 * 1024, ge=1024, description="A longer KV store answer is not parsed: the lookup fails (no hits)."
+    )
+
+    # --- prefill/decode disaggregation (docs/PD.md) ---
+    pd_protocol: PDProtocol | None = Field(
+        None, description="KV hand-off between prefill and decode instances: sglang | vllm (unset: no PD)."
+    )
+    pd_skip_prefill_below_tokens: int = Field(
+        0, ge=0, description="Send a PD request straight to the decode instance when at most this many "
+        "prompt tokens are uncached there (vllm only); 0 disables.",
     )
 
     # --- front door: clients, access control, shutdown (docs/OPERATIONS.md) ---
@@ -451,6 +502,11 @@ class Settings(BaseModel):
             raise ValueError("account_sync: expected a redis://, rediss:// or unix:// URL")
         if self.account_sync and self.account_sync_ttl_s <= 2 * self.account_sync_interval_s:
             raise ValueError("account_sync_ttl_s must exceed twice account_sync_interval_s")
+        return self
+
+    @model_validator(mode="after")
+    def _valid_pd_fleet(self) -> Settings:
+        check_pd_fleet(self.instances, self.pd_protocol, self.pd_skip_prefill_below_tokens)
         return self
 
     @property

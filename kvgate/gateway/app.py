@@ -17,7 +17,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvgate.config.api_keys import load_api_keys
-from kvgate.config.settings import DebugRoutes, Settings
+from kvgate.config.pd import check_pd_serving
+from kvgate.config.settings import DebugRoutes, InstanceConfig, Settings
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth import ClientAuth
@@ -31,6 +32,8 @@ from kvgate.gateway.health import HealthChecker
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
+from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.prompt_limit import PromptLimit
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.request_notes import MODEL, PLAN
@@ -50,6 +53,7 @@ from kvgate.metrics.definitions import (
     ttft_metrics,
 )
 from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
@@ -72,17 +76,25 @@ def build_app(
     """The gateway application. `kvs_index` replaces the configured KV store by an in-process index;
     `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos;
     `shared` makes it one worker of several (registry and account rows in shared memory)."""
+    check_pd_serving(settings.instances, settings.pd_protocol)
     prometheus = CollectorRegistry()
     metrics = gateway_metrics(prometheus)
     scheduler = Scheduler(settings, settings.instances)
-    registry = (
-        shared.registry(on_change=scheduler.set_instances) if shared is not None
-        else InstanceRegistry(settings.instances, on_change=scheduler.set_instances)
-    )
     account = LoadAccount(settings.request_local_account_staleness_s, shared.rows if shared is not None else None)
     tokenizer_service = TokenizerService(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
-        cache_size=settings.tokenize_cache_size,
+        cache_bytes=settings.tokenize_cache_bytes,
+    )
+    metrics.tokenize_cache_bytes.set_function(lambda: tokenizer_service.cached_bytes)
+    prompt_limit = PromptLimit(settings.max_prompt_tokens, tokenizer_service.tokenizer, settings.instances)
+
+    def instances_changed(instances: tuple[InstanceConfig, ...]) -> None:
+        scheduler.set_instances(instances)
+        prompt_limit.set_instances(instances)
+
+    registry = (
+        shared.registry(on_change=instances_changed) if shared is not None
+        else InstanceRegistry(settings.instances, on_change=instances_changed)
     )
     store_metrics = kvs_metrics(prometheus)
     kvs = (
@@ -90,10 +102,12 @@ def build_app(
         if kvs_index is not None
         else make_kvs_client(settings, metrics=store_metrics)
     )
-    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics)
+    decode_ledger = DecodeLedger()
+    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit,
+                           decode_ledger=decode_ledger)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
-                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), shared=shared)
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -140,9 +154,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = gateway.settings
     # Requests go through the lean upstream pool; the periodic probes use one aiohttp session.
     upstream = UpstreamPool(settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s)
+    outliers = OutlierDetector(gateway.registry, gateway.metrics, settings.outlier_consecutive_failures,
+                               settings.outlier_ejection_s)
+    gateway.registry.on_eject = lambda state: upstream.abort_waiting(state.config.url, f"{state.id} was ejected")
     gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
-                                  gateway.hits,
-                                  ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)))
+                                  outliers, gateway.hits,
+                                  ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)),
+                                  decode_ledger=gateway.decode_ledger)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
@@ -196,7 +214,7 @@ async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) 
     request[MODEL] = parsed.model
     plan = request[PLAN] = await gateway.planner.plan(parsed)
     # The rejection filter; a prefill/decode split passes its decode instance's load here.
-    rejection = gateway.scheduler.judge(plan.decision, plan.candidates)
+    rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
     if rejection is not None:
         gateway.metrics.admission_rejections.inc()
         raise APIError(429, rejection.message, code=rejection.code,

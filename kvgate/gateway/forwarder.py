@@ -2,8 +2,13 @@
 
 Rules, in the order a request meets them:
 - Instances are tried in the decision's ranking, at most 1 + `forward_retries` of them, never the
-  same one twice. A connection error, a 5xx or a broken answer *before the client has received a
-  byte* moves on to the next; a 4xx is the client's problem and is relayed, never retried.
+  same one twice. Any failure to reach an instance, a 5xx, no first byte within
+  `--upstream-first-byte-timeout-s` (streams; a whole answer comes only once generated, so it
+  waits `--upstream-read-timeout-s`), the instance's ejection, or a broken answer *before the
+  client has received a byte* moves on to the next; a 4xx is the client's problem and is relayed,
+  never retried. Every attempt's outcome feeds passive outlier detection (outliers.py).
+- When every attempt failed the client gets a 502 naming its request id; what each engine said
+  (its 5xx body may hold tracebacks) goes to the gateway log only.
 - The answer is relayed by `relay.py` (streams cut at event boundaries; after the first byte a
   failure ends the stream with an OpenAI-style error event and `data: [DONE]`).
 - A client that hangs up cancels the handler (aiohttp handler cancellation): the upstream
@@ -11,13 +16,16 @@ Rules, in the order a request meets them:
 - Each attempt owns one account entry, released on every exit path (finally).
 - Each answer's usage report is compared with the prefix hit predicted at routing (hit_accounting.py);
   a stream whose client did not ask for usage asks the engine for it (usage.py).
+- A plan with a prefill/decode decision goes to pd_forward.py instead (a pair per try).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -25,12 +33,16 @@ from aiohttp import web
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.handoff import make_handoff
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.pd_forward import PDForwarder
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
     REQUEST_ID_HEADER,
+    STREAM_BROKEN,
     UPSTREAM_ERRORS,
     RetryableFailure,
     describe,
@@ -42,6 +54,9 @@ from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.scheduler.decode import DecodeLedger
+
+log = logging.getLogger(__name__)
 
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
@@ -54,8 +69,10 @@ class Forwarder:
         registry: InstanceRegistry,
         tracker: InflightTracker,
         metrics: GatewayMetrics,
+        outliers: OutlierDetector,
         hits: HitAccounting | None = None,
         ttft_feedback: TTFTFeedback | None = None,
+        decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._ttft_feedback = ttft_feedback
         self._upstream = upstream
@@ -63,20 +80,34 @@ class Forwarder:
         self._registry = registry
         self._tracker = tracker
         self._metrics = metrics
+        self._outliers = outliers
         self._max_attempts = 1 + settings.forward_retries
+        self._first_byte_timeout_s = settings.upstream_first_byte_timeout_s
         self._forward_token_ids = settings.forward_token_ids
         # The only client header an engine may need (its own API key); see gateway/auth.py.
         self._authorization = engine_authorization(settings)
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
+        # Only a gateway with a pd_protocol plans disaggregated requests (gateway/routing.py).
+        self._pd = PDForwarder(
+            upstream, make_handoff(settings.pd_protocol), registry, tracker,
+            decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit,
+        ) if settings.pd_protocol is not None else None
 
     async def forward(
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
+        headers = _upstream_headers(request_id, self._authorization(request))
+        if plan.pd is not None and self._pd is not None:
+            response = await self._pd.forward(request, parsed, plan, self._pd_body(parsed, plan), headers,
+                                              request_id, arrived)
+            self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            return response
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         compared = self._hits is not None and _comparable(parsed, plan)
         payload, usage_asked = self._payload(parsed, plan, compared)
-        headers = _upstream_headers(request_id, self._authorization(request))
+        first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else None
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -103,20 +134,28 @@ class Forwarder:
             request[ANSWERED_BY] = instance_id
             try:
                 response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived, tap, on_first_byte)
+                                               arrived, tap, first_byte_timeout_s, on_first_byte)
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
+                self._outliers.failure(instance_id, str(failure))
                 last_failed = instance_id
                 continue
             finally:
                 self._tracker.release(key)
+            broken = request.get(STREAM_BROKEN)
+            if broken is None:
+                self._outliers.success(instance_id)
+            else:
+                self._outliers.failure(instance_id, f"stream broken: {broken}")
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             if tap is not None:
                 self._record_hit(parsed, plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
-        raise APIError(502, "no instance could answer: " + "; ".join(failures), code="upstream_unavailable")
+        log.warning("request %s: no instance could answer: %s", request_id, "; ".join(failures))
+        raise APIError(502, f"no instance could answer the request (request id {request_id}; the gateway log "
+                            "has the details)", code="upstream_unavailable")
 
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
         """The body for the engine, and whether it asks for usage the client did not ask for."""
@@ -130,6 +169,21 @@ class Forwarder:
             return parsed.raw, False
         return orjson.dumps({**parsed.body, **changes}), options is not None
 
+    def _pd_body(self, parsed: ParsedRequest, plan: RoutePlan) -> dict[str, Any]:
+        """The client's body as the hand-off starts from (token ids with --forward-token-ids)."""
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
+            return {**parsed.body, "prompt": plan.prompt_ids}
+        return parsed.body
+
+    def _record_prefill_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, answer: bytes,
+                            request_id: str) -> None:
+        """A disaggregated request: the prefill instance's JSON answer reports what it found cached."""
+        if self._hits is None or not _comparable(parsed, plan):
+            return
+        tap = UsageTap(strip_usage_chunk=False)
+        tap.whole(answer)
+        self._record_hit(parsed, plan, instance_id, tap, request_id)
+
     def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
                     request_id: str) -> None:
         assert self._hits is not None
@@ -139,6 +193,23 @@ class Forwarder:
         predicted = score.prefix_hit_tokens if score is not None else 0
         found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
         self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
+
+    async def relay_from(
+        self,
+        request: web.Request,
+        key: str,
+        url: str,
+        path: str,
+        payload: bytes,
+        headers: str,
+        request_id: str,
+        arrived: float,
+        on_first_byte: Callable[[], None] | None = None,
+    ) -> web.StreamResponse:
+        """A decode instance's answer relayed to the client (the PD path); `key`'s account entry sees
+        its first byte. No first-byte timeout: that byte waits for the prefill and the KV transfer."""
+        return await self._attempt(request, key, url, path, payload, headers, request_id, arrived, None, None,
+                                   on_first_byte)
 
     async def _attempt(
         self,
@@ -151,10 +222,11 @@ class Forwarder:
         request_id: str,
         arrived: float,
         tap: UsageTap | None,
+        first_byte_timeout_s: float | None,
         on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         try:
-            upstream = await self._upstream.post(url, path, headers, payload)
+            upstream = await self._upstream.post(url, path, headers, payload, first_byte_timeout_s)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         try:

@@ -11,12 +11,14 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.gateway.errors import Handler
-from kvgate.gateway.relay import REQUEST_ID_HEADER
+from kvgate.gateway.relay import REQUEST_ID_HEADER, STREAM_BROKEN
 from kvgate.metrics.definitions import GatewayMetrics
 
 REQUEST_ID = web.RequestKey("request_id", str)
 # nginx's convention for "the client closed the connection before the answer was complete".
 CLIENT_CLOSED = "499"
+# A stream sent as 200 that the engine broke after its first byte (ended with an error event).
+STREAM_ERROR = "stream_error"
 
 
 def request_ids() -> Callable[[], str]:
@@ -51,7 +53,7 @@ def observe_middleware(metrics: GatewayMetrics):
             raise
         if not response.prepared:
             response.headers.setdefault(REQUEST_ID_HEADER, request_id)
-        count(route, str(response.status))
+        count(route, STREAM_ERROR if STREAM_BROKEN in request else str(response.status))
         return response
 
     return observe

@@ -1,12 +1,16 @@
 """The engine instances behind the gateway and what state each is in.
 
 Instances come from the settings and change at run time through the admin routes. An instance
-takes new requests only while it is healthy (active health checks) and not draining; requests
-already sent to it always run to their end, whatever happens to it meanwhile.
+takes new requests only while it is healthy and not draining. It is ejected (unhealthy) by failed
+active health checks, or by failed requests in a row (passive outlier detection, outliers.py), and
+readmitted by a passing health check, an outlier only once its ejection period is over. Requests
+already streaming from an instance run to their end whatever happens to it; those still waiting
+for its first byte are failed over when it is ejected (`on_eject`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +24,9 @@ class InstanceState:
     # Optimistic at start: a dead instance costs one retried request before health checks see it.
     healthy: bool = True
     draining: bool = False
-    consecutive_failures: int = 0
+    consecutive_failures: int = 0  # failed health checks in a row
+    failed_requests: int = 0  # failed requests in a row (passive outlier detection)
+    outlier_until: float = 0.0  # time.monotonic() before which health checks do not readmit it
 
     @property
     def id(self) -> str:
@@ -57,6 +63,8 @@ class InstanceRegistry:
         self._states: dict[str, InstanceState] = {cfg.id: InstanceState(cfg) for cfg in instances}
         self._on_change = on_change
         self._served = frozenset(state.config.model for state in self._states.values())  # asked per request
+        # Called when an instance goes from healthy to ejected (the gateway fails over its waiting requests).
+        self.on_eject: Callable[[InstanceState], None] | None = None
 
     def get(self, instance_id: str) -> InstanceState | None:
         return self._states.get(instance_id)
@@ -96,17 +104,29 @@ class InstanceRegistry:
         return state
 
     def record_health(self, instance_id: str, ok: bool, failures_to_eject: int) -> None:
-        """One health-check result: eject after `failures_to_eject` failures in a row, readmit on success."""
+        """One health-check result: eject after `failures_to_eject` failures in a row, readmit on
+        success (an outlier once its ejection period is over)."""
         state = self._states.get(instance_id)
         if state is None:  # removed while its check was in flight
             return
         if ok:
             state.consecutive_failures = 0
-            state.healthy = True
+            if not state.healthy and time.monotonic() >= state.outlier_until:
+                state.healthy = True
+                state.failed_requests = 0
         else:
             state.consecutive_failures += 1
             if state.consecutive_failures >= failures_to_eject:
-                state.healthy = False
+                self.eject(state)
+
+    def eject(self, state: InstanceState, until: float = 0.0) -> None:
+        """Take `state` out of routing until a health check passes (and `until`, a time.monotonic())."""
+        state.outlier_until = max(state.outlier_until, until)
+        if not state.healthy:
+            return
+        state.healthy = False
+        if self.on_eject is not None:
+            self.on_eject(state)
 
     def _require(self, instance_id: str) -> InstanceState:
         state = self._states.get(instance_id)

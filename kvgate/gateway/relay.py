@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvgate.gateway.errors import error_payload
 from kvgate.gateway.request_notes import STREAMING_RESPONSE
-from kvgate.gateway.upstream import UpstreamError, UpstreamResponse
+from kvgate.gateway.upstream import FirstByteTimeout, UpstreamError, UpstreamResponse
 from kvgate.gateway.usage import UsageTap
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -126,6 +126,8 @@ async def end_with_error(
 
 
 def describe(exc: BaseException) -> str:
+    if isinstance(exc, FirstByteTimeout):
+        return "no first byte within --upstream-first-byte-timeout-s"
     if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -19,6 +19,7 @@ from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ class Gateway:
     kvs: ResilientKVSClient
     planner: RoutePlanner
     hits: HitAccounting
+    # Predicted decode tokens per decode instance (prefill/decode disaggregation).
+    decode_ledger: DecodeLedger = field(default_factory=DecodeLedger)
     started: int = field(default_factory=lambda: int(time.time()))
     # Set when the application starts (it needs the running loop's client session).
     forwarder: Forwarder | None = None

@@ -12,18 +12,30 @@ newline followed by a non-space character), each segment is cached, and only seg
 before are tokenized. Whether those boundaries really are independent depends on the tokenizer
 (a SentencePiece "prepend a space to the first word" tokenizer breaks them), so the service checks
 it once at start-up on a probe text and falls back to whole-text caching if the check fails.
+
+Memory: the cache is bounded in bytes, not entries (one entry can be a 10 MB prompt). Ids are kept
+as array('I') (4 bytes a token; a tuple of Python ints costs ~36), and a segment larger than an
+eighth of the cache is not cached, so one request cannot flush everyone's prefixes. A prompt
+longer than the caller's `max_tokens` raises PromptTooLong, found for very long texts by counting
+window by window so that memory stays bounded before the refusal; after encoding a very long
+text, freed memory is handed back to the OS (glibc keeps it otherwise: 1.3M tokens held 500 MB).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import importlib.util
 import logging
 import os
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +51,17 @@ INLINE_MAX_CHARS = 2048
 # Longer prompts (a 32K-character prompt takes tens of milliseconds of new text to encode) have a
 # thread of their own, so that they never queue the medium ones behind them.
 LONG_PROMPT_CHARS = 32768
+# Rendering a chat costs per message too (the template loops over them): more than this many
+# messages go to the executor whatever their length (200,000 empty ones took the loop 1.3 s).
+INLINE_MAX_MESSAGES = 32
+# Beyond one cached entry's own bytes: its key's and the OrderedDict's slot, link and array header.
+ENTRY_OVERHEAD_BYTES = 200
+# A text of more than this many characters per allowed token (prose averages about 4) is likely
+# over the limit: it is counted window by window, in bounded memory, before being encoded whole.
+COUNT_FIRST_CHARS_PER_TOKEN = 4
+COUNT_WINDOW_CHARS = 1 << 20
+# After encoding a text this long, return freed heap memory to the OS.
+TRIM_AFTER_CHARS = 1 << 20
 
 
 class TokenizerLoadError(ValueError):
@@ -47,6 +70,15 @@ class TokenizerLoadError(ValueError):
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (unsupported role or content); the gateway answers 400."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more than the allowed tokens; `tokens` is its length, or a lower bound of it."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"{tokens} tokens, over the limit of {limit}")
+        self.tokens = tokens
+        self.limit = limit
 
 
 def default_tokenizer_dir() -> str:
@@ -157,29 +189,45 @@ class _Segmenter:
         return segments
 
 
-class _LRU:
-    """A small thread-safe LRU map: encodes run in executor threads."""
+TokenIds = array  # array('I'): 4 bytes a token
 
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._items: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+def entry_bytes(key: str, ids: TokenIds) -> int:
+    """What one cache entry holds: the segment's text, its ids and the bookkeeping around them."""
+    return sys.getsizeof(key) + sys.getsizeof(ids) + ENTRY_OVERHEAD_BYTES
+
+
+class _ByteBoundLRU:
+    """A thread-safe LRU map of segment -> ids holding at most `capacity_bytes` (entry_bytes)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._capacity = capacity_bytes
+        self._max_entry = capacity_bytes // 8
+        self._items: OrderedDict[str, tuple[TokenIds, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self.bytes = 0
 
-    def get(self, key: str) -> tuple[int, ...] | None:
+    def get(self, key: str) -> TokenIds | None:
         with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
 
-    def put(self, key: str, value: tuple[int, ...]) -> None:
-        if self._capacity <= 0:
+    def put(self, key: str, ids: TokenIds) -> None:
+        cost = entry_bytes(key, ids)
+        if cost > self._max_entry:
             return
         with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self._capacity:
-                self._items.popitem(last=False)
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[key] = (ids, cost)
+            self.bytes += cost
+            while self.bytes > self._capacity:
+                _, (_, freed) = self._items.popitem(last=False)
+                self.bytes -= freed
 
     def __len__(self) -> int:
         return len(self._items)
@@ -203,18 +251,21 @@ class TokenizerService:
     def __init__(
         self,
         tokenizer: Any,
-        cache_size: int = 4096,
+        cache_bytes: int = 128 * 1024 * 1024,
         executor: Executor | None = None,
         min_segment_chars: int = MIN_SEGMENT_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when fast
+        # encode_batch_fast skips offsets (tokenizers >= 0.20): less time and memory.
+        self._encode_batch = getattr(self._backend, "encode_batch_fast", None) or getattr(
+            self._backend, "encode_batch", None)
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-tokenize")
         self._long_executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize-long") if executor is None else executor
         )
-        self._cache = _LRU(cache_size)
+        self._cache = _ByteBoundLRU(cache_bytes)
         self._segmenter: _Segmenter | None = _Segmenter(
             _template_tokens(tokenizer), _lstrip_first_chars(tokenizer), min_segment_chars
         )
@@ -226,42 +277,63 @@ class TokenizerService:
 
     # --- public API ---
 
-    async def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_prompt(
+        self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None
+    ) -> list[int]:
         if len(text) <= INLINE_MAX_CHARS:
-            return self.encode_prompt_sync(text, add_special_tokens)
+            return self.encode_prompt_sync(text, add_special_tokens, max_tokens=max_tokens)
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool(len(text)), self.encode_prompt_sync, text, add_special_tokens
+            self._pool(len(text)), partial(self.encode_prompt_sync, text, add_special_tokens, max_tokens=max_tokens)
         )
 
     async def encode_chat(
-        self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS, add_special_tokens: bool = False
+        self,
+        messages: list[dict],
+        inputs: ChatTemplateInputs = DEFAULT_INPUTS,
+        add_special_tokens: bool = False,
+        *,
+        body_bytes: int | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
-        size = sum(len(str(m.get("content") or "")) for m in messages)
-        if size <= INLINE_MAX_CHARS and inputs.tools is None and inputs.documents is None:
-            return self.encode_chat_sync(messages, inputs, add_special_tokens)
+        """Rendering costs per message and per byte of what the template reads, whatever the
+        content's length: many messages, a long body (`body_bytes`, the request's size, when
+        known) or tools/documents are rendered off the event loop."""
+        size = body_bytes if body_bytes is not None else sum(len(str(m.get("content") or "")) for m in messages)
+        if (len(messages) <= INLINE_MAX_MESSAGES and size <= INLINE_MAX_CHARS
+                and inputs.tools is None and inputs.documents is None):
+            return self.encode_chat_sync(messages, inputs, add_special_tokens, max_tokens=max_tokens)
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool(size), self.encode_chat_sync, messages, inputs, add_special_tokens
+            self._pool(size), partial(self.encode_chat_sync, messages, inputs, add_special_tokens, max_tokens=max_tokens)
         )
 
     def _pool(self, chars: int) -> Executor:
         # The Rust tokenizer encodes outside the GIL, so both pools make progress at once.
         return self._long_executor if chars > LONG_PROMPT_CHARS else self._executor
 
-    def encode_prompt_sync(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode_prompt_sync(
+        self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None
+    ) -> list[int]:
         """Ids for /v1/completions: by default the tokenizer's special tokens around the text."""
-        return self._encode_text(text, add_special_tokens)
+        return self._encode_text(text, add_special_tokens, max_tokens)
 
     def encode_chat_sync(
-        self, messages: list[dict], inputs: ChatTemplateInputs = DEFAULT_INPUTS, add_special_tokens: bool = False
+        self,
+        messages: list[dict],
+        inputs: ChatTemplateInputs = DEFAULT_INPUTS,
+        add_special_tokens: bool = False,
+        *,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """Ids for /v1/chat/completions: the template over all messages and the request's template
         inputs (tools, documents, chat_template_kwargs; by default the generation prompt), without
         special tokens unless asked (the template writes its own)."""
-        return self._encode_text(self.render_chat(messages, inputs), add_special_tokens)
+        return self._encode_text(self.render_chat(messages, inputs), add_special_tokens, max_tokens)
 
-    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode_text(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
+        """PromptTooLong past `max_tokens` (special tokens included)."""
+        affixes = len(self._prefix_ids) + len(self._suffix_ids) if add_special_tokens else 0
         ids = self._prefix_ids.copy() if add_special_tokens else []
-        for part in self._cached_parts(text):
+        for part in self._bounded_parts(text, max_tokens, affixes):
             ids.extend(part)
         if add_special_tokens:
             ids.extend(self._suffix_ids)
@@ -287,9 +359,46 @@ class TokenizerService:
     def cached_segments(self) -> int:
         return len(self._cache)
 
+    @property
+    def cached_bytes(self) -> int:
+        return self._cache.bytes
+
     # --- internals ---
 
-    def _cached_parts(self, text: str) -> list[tuple[int, ...]]:
+    def _bounded_parts(self, text: str, max_tokens: int | None, extra_tokens: int) -> list[TokenIds]:
+        """The ids of `text` in cached parts, or PromptTooLong when they would exceed `max_tokens`."""
+        if max_tokens is not None and len(text) > max_tokens * COUNT_FIRST_CHARS_PER_TOKEN:
+            at_least = self._count_at_least(text, max_tokens) + extra_tokens
+            if at_least > max_tokens:
+                raise PromptTooLong(at_least, max_tokens)
+        try:
+            parts = self._cached_parts(text)
+        finally:
+            if len(text) > TRIM_AFTER_CHARS:
+                _release_free_memory()
+        total = sum(len(part) for part in parts) + extra_tokens
+        if max_tokens is not None and total > max_tokens:
+            raise PromptTooLong(total, max_tokens)
+        return parts
+
+    def _count_at_least(self, text: str, max_tokens: int) -> int:
+        """A lower bound of `text`'s token count, exact enough to refuse, in bounded memory: windows
+        of COUNT_WINDOW_CHARS cut before a space, each encoded alone; stops once over `max_tokens`.
+        A window edge may change a few tokens, so each one is allowed a margin."""
+        count, start, windows = 0, 0, 0
+        margin_per_window = 8
+        while start < len(text) and count - windows * margin_per_window <= max_tokens:
+            end = min(start + COUNT_WINDOW_CHARS, len(text))
+            if end < len(text):
+                space = text.rfind(" ", start + COUNT_WINDOW_CHARS // 2, end)
+                end = space if space > start else end
+            count += len(self._encode_plain([text[start:end]])[0])
+            windows += 1
+            start = end
+        _release_free_memory()
+        return max(count - windows * margin_per_window, 0)
+
+    def _cached_parts(self, text: str) -> list[TokenIds]:
         """The ids of each segment of `text`, in order; only segments not cached are encoded."""
         segments = self._segmenter.split(text) if self._segmenter else [text]
         found = [self._cache.get(s) for s in segments]
@@ -301,11 +410,11 @@ class TokenizerService:
             self._cache.put(segment, ids)
         return [ids if ids is not None else fresh[s] for s, ids in zip(segments, found, strict=True)]
 
-    def _encode_plain(self, texts: list[str]) -> list[tuple[int, ...]]:
+    def _encode_plain(self, texts: list[str]) -> list[TokenIds]:
         """Encode without special tokens; one batched call so long prompts cross into Rust once."""
-        if self._backend is not None:
-            return [tuple(enc.ids) for enc in self._backend.encode_batch(texts, add_special_tokens=False)]
-        return [tuple(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        if self._encode_batch is not None:
+            return [array("I", enc.ids) for enc in self._encode_batch(texts, add_special_tokens=False)]
+        return [array("I", self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
     def _special_token_affixes(self) -> tuple[list[int], list[int]]:
         """What `add_special_tokens=True` puts around a text (e.g. a BOS id), found by comparison."""
@@ -325,6 +434,22 @@ class TokenizerService:
         pieces = self._segmenter.split(probe, min_chars=1)  # every boundary taken
         segmented = [t for ids in self._encode_plain(pieces) for t in ids]
         return len(pieces) > 1 and segmented == list(self.tokenizer.encode(probe, add_special_tokens=False))
+
+
+def _load_malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()  # glibc only; None elsewhere (musl returns memory by itself)
+
+
+def _release_free_memory() -> None:
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _template_tokens(tokenizer: Any) -> list[str]:

@@ -7,9 +7,11 @@ as everything else the gateway does together (measured with `kvgate bench overhe
 framing (Content-Length, chunked, 1xx, keep-alive) is left to httptools (llhttp, the parser
 Node.js uses); this module only pools connections, enforces the timeouts and hands the body over.
 
-Timeouts, with aiohttp's meanings: `connect_timeout_s` bounds opening a connection; `read_timeout_s`
-bounds each wait for the engine's next bytes (the head, then every chunk of the body) and is
-suspended while the relay holds reading back for a slow client.
+Timeouts: `connect_timeout_s` bounds opening a connection; the first-byte timeout (per request)
+bounds the wait from sending the request to the first body byte, the part a hung engine never
+sends; `read_timeout_s` then bounds each gap between body chunks and is suspended while the relay
+holds reading back for a slow client. Until its first body byte a request can also be failed over
+by `abort_waiting` (its instance was ejected), as nothing of it has reached the client.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ _BUFFER_HIGH_WATER = 256 * 1024
 
 
 class UpstreamError(Exception):
-    """The engine's answer broke: the connection closed early or the HTTP framing was invalid."""
+    """The engine could not be reached or its answer broke (closed early, invalid HTTP framing)."""
+
+
+class FirstByteTimeout(TimeoutError):
+    """No body byte came within the first-byte timeout (a hung engine, or one far too busy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._read_timeout_s = 0.0
+        self._first_byte_timeout_s = 0.0
+        self.body_started = False
         # Per-answer state.
         self._busy = False
         self._head: asyncio.Future[UpstreamResponse] | None = None
@@ -117,6 +125,7 @@ class _Connection(asyncio.Protocol):
         self._error: BaseException | None = None
         self._paused = False
         self._last_data = 0.0
+        self._sent_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol ---
@@ -179,6 +188,7 @@ class _Connection(asyncio.Protocol):
                                              self._content_encoding.decode("latin-1")))
 
     def on_body(self, body: bytes) -> None:
+        self.body_started = True
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > _BUFFER_HIGH_WATER and not self._paused and self._transport is not None:
@@ -190,18 +200,24 @@ class _Connection(asyncio.Protocol):
         if self._head is not None:  # the end of a 1xx answer
             return
         self.message_complete = True
+        self.body_started = True
         self._keep_alive = self._parser.should_keep_alive()
         self._wake()
 
     # --- used by the pool and UpstreamResponse ---
 
-    def send(self, request: Sequence[bytes], read_timeout_s: float) -> asyncio.Future[UpstreamResponse]:
+    def send(
+        self, request: Sequence[bytes], read_timeout_s: float, first_byte_timeout_s: float
+    ) -> asyncio.Future[UpstreamResponse]:
         assert self._transport is not None
         self._busy = True
+        self.body_started = False
         self._head = self.loop.create_future()
         self._read_timeout_s = read_timeout_s
-        self._last_data = self.loop.time()
-        self._timer = self.loop.call_at(self._last_data + read_timeout_s, self._check_timeout)
+        self._first_byte_timeout_s = first_byte_timeout_s
+        self._last_data = self._sent_at = self.loop.time()
+        self._timer = self.loop.call_at(self._sent_at + first_byte_timeout_s, self._check_timeout)
+        self._pool.busy(self)
         self._transport.writelines(request)
         return self._head
 
@@ -231,6 +247,8 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         reusable = self.message_complete and self._keep_alive and not self._body and not self.closed
+        if self._busy:
+            self._pool.idle_again(self)
         self._busy = False
         self._head = None
         self._content_type = self._content_encoding = b""
@@ -250,6 +268,16 @@ class _Connection(asyncio.Protocol):
         if not self._busy or self.message_complete:
             return
         now = self.loop.time()
+        if not self.body_started:
+            # Head bytes do not restart the first-byte wait: a stream's head comes at once, its
+            # first event only after the prefill.
+            due = self._sent_at + self._first_byte_timeout_s
+            if due > now:
+                self._timer = self.loop.call_at(due, self._check_timeout)
+                return
+            self._fail(FirstByteTimeout())
+            self._close()
+            return
         # While paused no bytes can come; resuming restarts the wait (read_chunk sets _last_data).
         due = now + self._read_timeout_s if self._paused else self._last_data + self._read_timeout_s
         if due > now:
@@ -257,6 +285,12 @@ class _Connection(asyncio.Protocol):
             return
         self._fail(TimeoutError())
         self._close()
+
+    def abort_if_waiting(self, reason: str) -> None:
+        """Fail the request if no body byte has come yet (its caller may retry it elsewhere)."""
+        if self._busy and not self.body_started:
+            self._fail(UpstreamError(reason))
+            self._close()
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:
@@ -285,22 +319,26 @@ class UpstreamPool:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._idle: dict[str, list[_Connection]] = {}  # by instance URL
+        self._busy: dict[str, set[_Connection]] = {}  # by instance URL: connections carrying a request
         self._endpoints: dict[str, Endpoint] = {}
         self._tls: ssl.SSLContext | None = None
 
-    async def post(self, url: str, path: str, headers: str, body: bytes) -> UpstreamResponse:
+    async def post(
+        self, url: str, path: str, headers: str, body: bytes, first_byte_timeout_s: float | None = None
+    ) -> UpstreamResponse:
         """Send `POST path` to the instance at `url` with `headers` (complete "Name: value\\r\\n" lines)
-        and `body`; return once the answer's head arrived. Raises OSError (connect errors, TimeoutError)
-        or UpstreamError."""
+        and `body`; return once the answer's head arrived. The first body byte must come within
+        `first_byte_timeout_s` (default: the read timeout). Raises OSError (connect errors,
+        TimeoutError, FirstByteTimeout) or UpstreamError (also for a URL that cannot be dialled)."""
         endpoint = self._endpoints.get(url)
         if endpoint is None:
-            endpoint = self._endpoints[url] = Endpoint.parse(url)
+            endpoint = self._endpoints[url] = _parse_endpoint(url)
         connection = self._idle_connection(url)
         if connection is None:
             connection = await self._connect(url, endpoint)
         head = (f"POST {endpoint.base_path}{path} HTTP/1.1\r\nHost: {endpoint.host_header}\r\n{headers}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("utf-8", "surrogateescape")
-        waiting = connection.send((head, body), self._read_timeout_s)
+        waiting = connection.send((head, body), self._read_timeout_s, first_byte_timeout_s or self._read_timeout_s)
         try:
             return await waiting
         except BaseException:
@@ -310,6 +348,25 @@ class UpstreamPool:
     def put(self, connection: _Connection) -> None:
         connection.idle_since = connection.loop.time()
         self._idle.setdefault(connection.url, []).append(connection)
+
+    def busy(self, connection: _Connection) -> None:
+        self._busy.setdefault(connection.url, set()).add(connection)
+
+    def idle_again(self, connection: _Connection) -> None:
+        busy = self._busy.get(connection.url)
+        if busy is not None:
+            busy.discard(connection)
+            if not busy:
+                del self._busy[connection.url]
+
+    def abort_waiting(self, url: str, reason: str) -> int:
+        """Fail the requests to `url` that have received no body byte yet (their instance was
+        ejected): nothing reached their clients, so their callers retry them elsewhere. Returns
+        how many were failed."""
+        waiting = [c for c in self._busy.get(url, ()) if not c.body_started]
+        for connection in waiting:
+            connection.abort_if_waiting(reason)
+        return len(waiting)
 
     def forget(self, connection: _Connection) -> None:
         idle = self._idle.get(connection.url)
@@ -349,9 +406,19 @@ class UpstreamPool:
             if self._tls is None:
                 self._tls = ssl.create_default_context()
             tls = self._tls
-        async with asyncio.timeout(self._connect_timeout_s):
-            _, connection = await loop.create_connection(
-                lambda: _Connection(self, url), endpoint.host, endpoint.port, ssl=tls,
-                server_hostname=endpoint.host if tls else None,
-            )
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self, url), endpoint.host, endpoint.port, ssl=tls,
+                    server_hostname=endpoint.host if tls else None,
+                )
+        except (ValueError, OverflowError) as exc:  # a host or port the socket layer refuses
+            raise UpstreamError(f"cannot connect to {url!r}: {exc}") from None
         return connection
+
+
+def _parse_endpoint(url: str) -> Endpoint:
+    try:
+        return Endpoint.parse(url)
+    except ValueError as exc:  # an out-of-range port, an empty host: unreachable, like a refused connection
+        raise UpstreamError(f"cannot dial {url!r}: {exc}") from None

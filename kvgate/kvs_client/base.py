@@ -28,6 +28,10 @@ class KVSQueryError(Exception):
     """A backend could not answer: transport failure, timeout, error reply or unexpected shape."""
 
 
+class KVSAnswerTooLarge(KVSQueryError):
+    """The answer was longer than --kvs-max-answer-bytes and was not parsed."""
+
+
 @dataclass(frozen=True)
 class KVSAnswer:
     """A backend's answer. Keys missing from `locations` are held nowhere.

@@ -22,6 +22,7 @@ def make_backend(settings: Settings, embedded_index: EmbeddedKVSIndex | None = N
                 request_timeout_s=timeout_s,
                 max_url_bytes=settings.kvs_batch_query_max_url_bytes,
                 include_disk_tier=settings.kvs_query_disk_tier,
+                max_answer_bytes=settings.kvs_max_answer_bytes,
             )
         case KVSBackendName.REDIS:
             return RedisIndexBackend(settings.kvs_redis_url, settings.kvs_redis_key_prefix, request_timeout_s=timeout_s)

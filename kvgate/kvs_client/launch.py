@@ -164,6 +164,12 @@ class RedisServerProcess:
     def kill(self) -> None:
         self.process.kill()
 
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start it again on the same port, empty (fault injection: after kill())."""
+        self.process.stop()
+        self.process = LocalProcess(self.process.argv, self.process.log_path)
+        self.process.wait_ready(lambda: _redis_ping(self.host, self.port), "redis-server", timeout_s)
+
     def stop(self) -> None:
         self.process.stop()
 

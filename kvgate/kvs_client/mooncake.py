@@ -19,7 +19,9 @@ lists are split into requests under that size, sent concurrently. Because the ma
 on "," after decoding, a key containing "," cannot be asked at all: such keys are answered
 as held nowhere without asking (a warning is logged once).
 
-Anything but a well-formed success answer for every asked key raises KVSQueryError.
+Anything but a well-formed success answer for every asked key raises KVSQueryError. So does an
+answer longer than `max_answer_bytes` (KVSAnswerTooLarge), unread: parsing megabytes of JSON costs
+every request tens of milliseconds of the event loop, and the store is advice, not a dependency.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, KVSAnswer, KVSQueryError
+from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, KVSAnswer, KVSAnswerTooLarge, KVSQueryError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,9 @@ class MooncakeMasterBackend:
         max_url_bytes: int = 131072,
         include_disk_tier: bool = False,
         max_connections: int = 64,
+        max_answer_bytes: int = 1024 * 1024,
     ) -> None:
+        self.max_answer_bytes = max_answer_bytes
         self.base_url = base_url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.max_url_bytes = max_url_bytes
@@ -142,7 +146,7 @@ class MooncakeMasterBackend:
     async def _query_batch(self, batch: BatchRequest) -> KVSAnswer:
         try:
             async with self._open_session().get(URL(batch.url, encoded=True)) as response:
-                body = await response.read()
+                body = await self._read_bounded(response)
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: {type(exc).__name__}: {exc}") from exc
@@ -153,6 +157,19 @@ class MooncakeMasterBackend:
         except orjson.JSONDecodeError as exc:
             raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: invalid JSON: {exc}") from exc
         return self._parse(document, batch.keys)
+
+    async def _read_bounded(self, response: aiohttp.ClientResponse) -> bytes:
+        limit = self.max_answer_bytes
+        too_large = KVSAnswerTooLarge(f"GET {self.base_url}{QUERY_PATH}: answer longer than {limit} bytes "
+                                      "(--kvs-max-answer-bytes)")
+        if response.content_length is not None and response.content_length > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in response.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
 
     def _parse(self, document: Any, keys: list[str]) -> KVSAnswer:
         if not isinstance(document, dict) or document.get("success") is not True:

@@ -14,6 +14,8 @@ Rules (Llumnix's flag names):
   the next lookup is a single-attempt probe; lookups arriving while it runs stay "down". A
   successful probe brings the store back; a failed one marks it down for another period.
 - `lookup` never raises (except cancellation, which belongs to the caller).
+- Only the first `kvs_max_query_blocks` keys are asked: hits count from block 0 on, so those
+  decide the ranking; the rest are answered as held nowhere. This bounds the request and the answer.
 
 `clock` drives the down period only (tests pass a fake one); budgets use the event loop's clock.
 """
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from kvgate.config.settings import Settings
-from kvgate.kvs_client.base import KVSAnswer, KVSBackend, KVSLookup, KVSQueryError
+from kvgate.kvs_client.base import KVSAnswer, KVSAnswerTooLarge, KVSBackend, KVSLookup, KVSQueryError
 from kvgate.metrics.definitions import KVSMetrics
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class ResilientKVSClient:
         self.retry_interval_s = settings.kvs_retry_interval_ms / 1000
         self.down_duration_s = settings.kvs_metadata_service_down_duration_s
         self.budget_s = settings.kvs_query_budget_ms / 1000
+        self.max_query_blocks = settings.kvs_max_query_blocks
         self._metrics = metrics
         self._clock = clock
         self._consecutive_failures = 0
@@ -73,6 +76,12 @@ class ResilientKVSClient:
         started = time.perf_counter()
         if not keys:
             return KVSLookup.empty("skipped", 0)
+        unasked = max(len(keys) - self.max_query_blocks, 0)
+        if unasked:
+            lookup = await self.lookup(keys[: self.max_query_blocks])
+            nothing: list[tuple[str, ...]] = [()] * unasked
+            return KVSLookup(lookup.status, lookup.locations + nothing, lookup.disk_locations + nothing,
+                             lookup.elapsed_s)
         probe = False
         if self._down_until is not None:
             if self._probe_running or self._clock() < self._down_until:
@@ -164,6 +173,8 @@ class ResilientKVSClient:
 
     def _record_failure(self, exc: BaseException, probe: bool) -> None:
         reason = "time budget exhausted" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, KVSAnswerTooLarge) and self._metrics is not None:
+            self._metrics.oversized_answers.labels(self.name).inc()
         self.last_error = reason
         self._consecutive_failures += 1
         already_down = self._down_until is not None and not probe

@@ -22,6 +22,7 @@ class KVSMetrics:
     query_outcomes: Counter  # outcome: hit | miss | error | skipped_down
     keys_per_query: Histogram
     service_up: Gauge
+    oversized_answers: Counter
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class GatewayMetrics:
     inflight_requests: Gauge  # instance
     inflight_prefill_tokens: Gauge  # instance
     instance_healthy: Gauge  # instance
+    outlier_ejections: Counter  # instance
+    tokenize_cache_bytes: Gauge
 
 
 # --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
@@ -97,13 +100,22 @@ def kvs_metrics(registry: CollectorRegistry) -> KVSMetrics:
             ["backend"],
             registry=registry,
         ),
+        oversized_answers=Counter(
+            "kvgate_kvs_oversized_answers",
+            "KV store answers longer than --kvs-max-answer-bytes, not parsed (the lookup failed).",
+            ["backend"],
+            registry=registry,
+        ),
     )
 
 
 def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
     return GatewayMetrics(
         requests=Counter(
-            "kvgate_requests", "Requests answered, by route and HTTP status.", ["route", "status"],
+            "kvgate_requests",
+            "Requests answered, by route and HTTP status; 499 = the client hung up, stream_error = a "
+            "stream the engine broke after its first byte (sent as 200, ended with an error event).",
+            ["route", "status"],
             registry=registry,
         ),
         ttft_seconds=Histogram(
@@ -140,6 +152,15 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
         ),
         instance_healthy=Gauge(
             "kvgate_instance_healthy", "1 while the instance passes health checks, 0 while ejected.", ["instance"],
+            registry=registry,
+        ),
+        outlier_ejections=Counter(
+            "kvgate_outlier_ejections",
+            "Instances ejected after --outlier-consecutive-failures failed requests in a row.", ["instance"],
+            registry=registry,
+        ),
+        tokenize_cache_bytes=Gauge(
+            "kvgate_tokenize_cache_bytes", "Bytes held by the tokenize cache (bounded by --tokenize-cache-bytes).",
             registry=registry,
         ),
     )

@@ -31,7 +31,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -204,7 +204,9 @@ class Replay:
                     self._end_step(slot, when)
                 elif kind == _STEP_START:
                     self._start_step(slot, when)
-                elif next_arrival < len(requests) or any(inst.busy for inst in self.instances):
+                elif kind != _SCRAPE:
+                    self._on_event(kind, slot, when)
+                elif next_arrival < len(requests) or self._has_work():
                     self._scrape(when)
                     self._push(when + scrape_every, _SCRAPE, -1)
                 continue
@@ -216,6 +218,17 @@ class Replay:
             progress.update(1)
         progress.close()
         return self._result(time.perf_counter() - started)
+
+    def _prompt_instances(self) -> list[SimInstance]:
+        """The instances whose prefix caches the hit ratio counts (those that compute prompts)."""
+        return self.instances
+
+    def _has_work(self) -> bool:
+        return any(inst.busy for inst in self.instances)
+
+    def _on_event(self, kind: int, slot: int, now: float) -> None:
+        """Events of kinds a subclass pushes (the PD replay's KV transfers)."""
+        raise ValueError(f"unknown event kind {kind}")
 
     def blocks(self, req: TraceRequest) -> list[BlockHash]:
         """The request's blocks as the gateway's hasher would give them for this trace."""
@@ -280,6 +293,17 @@ class Replay:
         inst = self.instances[slot]
         out = inst.pending
         inst.pending = None
+        self._record(inst, out, now)
+        if not inst.engine.has_work():
+            inst.busy = False
+        elif self._next_arrival_at > now:
+            self._start_step(slot, now)
+        else:
+            # An arrival at this very instant must be dispatched before the next step starts.
+            self._push(now, _STEP_START, slot)
+
+    def _record(self, inst: SimInstance, out: StepOutcome, now: float) -> None:
+        """A step's first tokens and finishes: timings and the account."""
         account = self.account
         requests = self._requests
         for rid in out.first_tokens:
@@ -296,13 +320,6 @@ class Replay:
             first_token_at = requests[i].arrival_s + self.ttft[i]
             self.tbt[i] = (now - first_token_at) / max(1, requests[i].output_length - 1)
             account.release(rid)
-        if not inst.engine.has_work():
-            inst.busy = False
-        elif self._next_arrival_at > now:
-            self._start_step(slot, now)
-        else:
-            # An arrival at this very instant must be dispatched before the next step starts.
-            self._push(now, _STEP_START, slot)
 
     def _scrape(self, now: float) -> None:
         """What the gateway's stats poller does: read every engine's gauges, age the account."""
@@ -316,7 +333,7 @@ class Replay:
         self.account.expire(now)
 
     def _result(self, wall_time_s: float) -> SimulationResult:
-        engine_stats = [inst.engine.stats() for inst in self.instances]
+        engine_stats = [inst.engine.stats() for inst in self._prompt_instances()]
         ttfts = [t for t in self.ttft if not math.isnan(t)]
         summary = summarise(
             policy=self.scheduler.policy.name,
@@ -335,7 +352,7 @@ class Replay:
                                    self._settings.tbt_slo_s),
             transfer_tokens=self.transfer_tokens,
         )
-        return SimulationResult(summary, ttfts)
+        return SimulationResult(summary, ttfts, [t for t in self.tbt if not math.isnan(t)])
 
 
 @dataclass(frozen=True)
@@ -343,6 +360,8 @@ class SimulationResult:
     summary: SimulationSummary
     # Every request's time to first token, in trace order (for CDF plots).
     ttfts: list[float]
+    # Every finished request's mean time between tokens after the first (0 for one-token answers).
+    tbts: list[float] = field(default_factory=list)
 
 
 def hit_ratio_reference(requests: Sequence[TraceRequest], fleet_capacity_blocks: int) -> HitRatioReference:
