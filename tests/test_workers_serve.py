@@ -37,7 +37,7 @@ async def upstream() -> AsyncIterator[ScriptedUpstream]:
 def start_workers(tmp_path, upstream_url: str, port: int) -> subprocess.Popen:
     config = tmp_path / "gateway.yaml"
     config.write_text(orjson.dumps({
-        "port": port, "workers": 2, "admin_token": "t", "kvs_backend": "embedded",
+        "port": port, "workers": 2, "admin_token": "t", "kvs_backend": "embedded", "workers_max_instances": 2,
         "stats_poll_interval_s": 0.2, "health_check_interval_s": 0.2,
         "instances": [{"id": "e0", "url": upstream_url, "model": MODEL}],
     }).decode())  # JSON is YAML
@@ -114,6 +114,11 @@ async def test_workers_share_one_account_one_prober_and_survive_a_crash(tmp_path
             added = await client.post(url + "/admin/instances", headers={"Authorization": "Bearer t"},
                                       json={"id": "e1", "url": upstream.url, "model": "other"})
             assert added.status == 201
+            # The shared table has two slots: a third instance is refused by name, not as a duplicate.
+            refused = await client.post(url + "/admin/instances", headers={"Authorization": "Bearer t"},
+                                        json={"id": "e2", "url": upstream.url, "model": "other"})
+            assert refused.status == 409
+            assert (await refused.json())["error"]["code"] == "instance_table_full"
         models = await models_by_worker(url)
         assert all("other" in served for served in models.values())
         process.send_signal(signal.SIGTERM)

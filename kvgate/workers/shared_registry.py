@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvgate.config.settings import InstanceConfig
-from kvgate.gateway.registry import InstanceRegistry, InstanceState, RegistryError
+from kvgate.gateway.registry import InstanceRegistry, InstanceState, RegistryError, RegistryFull
 from kvgate.workers.shared_table import DRAINING, EJECTED, SharedTable, TableFull
 
 
@@ -61,7 +61,7 @@ class SharedRegistry(InstanceRegistry):
             try:
                 self._table.add(config)
             except (TableFull, ValueError) as exc:
-                raise RegistryError(str(exc)) from None
+                raise RegistryFull(str(exc)) from None
         return self._require_synced(config.id)
 
     def remove(self, instance_id: str) -> InstanceState:
