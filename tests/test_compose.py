@@ -136,7 +136,7 @@ def test_mock_fleet_wiring_agrees_everywhere():
     assert config["kvs_metadata_service_http_server_host"] == _ip("mooncake-master")
     assert config["kvs_metadata_service_http_server_port"] == int(master["metrics_port"])
     assert urlsplit(config["kvs_redis_url"]).hostname == _ip("redis")
-    engines = _kvgate_services("mock-engine")
+    engines = [name for name in _kvgate_services("mock-engine") if "profiles" not in SERVICES[name]]
     assert len(config["instances"]) == len(engines) == 4
     for instance, name in zip(config["instances"], engines, strict=True):
         flags = _flags(_argv(SERVICES[name]))
@@ -158,7 +158,7 @@ def test_prometheus_scrapes_every_gateway_and_engine():
     scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"]
     targets = {t for job in scrape for group in job["static_configs"] for t in group["targets"]}
     expected = {f"{_ip('mooncake-master')}:{_flags(_argv(SERVICES['mooncake-master']))['metrics_port']}"}
-    for config_name in ("kvgate.yaml", "kvgate-vllm.yaml"):
+    for config_name in ("kvgate.yaml", "kvgate-vllm.yaml", "kvgate-pd.yaml"):
         config = _config(config_name)
         gateway = next(n for n in _kvgate_services("serve") if config_name in " ".join(_argv(SERVICES[n])))
         expected.add(f"{_ip(gateway)}:{config['port']}")
@@ -208,6 +208,37 @@ def test_dockerfile_copies_what_exists_and_runs_kvgate():
             assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
     assert ["ENTRYPOINT", '["kvgate"]'] in lines
     assert any(words[:2] == ["RUN", "pip"] and '".[mooncake]"' in words for words in lines)
+
+
+def test_pd_profile_wiring_agrees_everywhere(capsys):
+    config = _config("kvgate-pd.yaml")
+    engines = [name for name in _kvgate_services("mock-engine") if SERVICES[name].get("profiles") == ["pd"]]
+    assert len(config["instances"]) == len(engines) == 4
+    roles = []
+    for instance, name in zip(config["instances"], engines, strict=True):
+        argv = _argv(SERVICES[name])
+        flags = _flags(argv)
+        url = urlsplit(instance["url"])
+        assert (url.hostname, url.port) == (_ip(name), int(flags["port"]))
+        assert instance["kvs_endpoints"] == [flags["kvs-local-ip"]] == [_ip(name)]
+        # Both sides name the same hand-off, role and bootstrap port.
+        assert flags["pd-protocol"] == config["pd_protocol"]
+        assert flags["role"] == instance["role"]
+        assert int(flags.get("bootstrap-port", 0)) == instance.get("bootstrap_port", 0)
+        assert flags["config"] == f"{CONFIG_DIR}/kvgate-pd.yaml"
+        roles.append(instance["role"])
+        assert main([*_on_host(argv), "--check"]) == 0  # the engine accepts its PD flags
+    assert sorted(roles) == ["decode", "decode", "prefill", "prefill"]
+    checked = capsys.readouterr().out
+    assert checked.count("prefill engine (sglang hand-off, bootstrap port 8998)") == 2
+    assert checked.count("decode engine (sglang hand-off)") == 2
+    gateway = SERVICES["gateway-pd"]
+    # One variable switches the hand-off of engines and gateway together.
+    assert "--pd-protocol=${KVGATE_PD_PROTOCOL:-sglang}" in gateway["command"]
+    assert all("--pd-protocol=${KVGATE_PD_PROTOCOL:-sglang}" in SERVICES[name]["command"] for name in engines)
+    assert gateway["profiles"] == ["pd"]
+    assert gateway["ports"] == [f"127.0.0.1:{config['port']}:{config['port']}"]
+    assert set(gateway["depends_on"]) == set(engines)
 
 
 def _engine_view(name: str) -> dict[str, str]:

@@ -72,14 +72,17 @@ def test_bool_flags_and_lists_from_text():
 
 def test_instances_come_from_the_file(yaml_file):
     path = yaml_file(
+        "pd_protocol: vllm\n"
         "instances:\n"
         "  - {id: a, url: 'http://127.0.0.1:9001', model: m, kvs_endpoints: ['127.0.0.2']}\n"
         "  - {id: b, url: 'http://127.0.0.1:9002', model: m, role: decode}\n"
+        "  - {id: c, url: 'http://127.0.0.1:9003', model: m, role: prefill, bootstrap_port: 8998}\n"
     )
     settings = load_settings({}, config_path=path, environ={})
-    assert [(i.id, i.role, i.kvs_endpoints) for i in settings.instances] == [
-        ("a", "neutral", ("127.0.0.2",)),
-        ("b", "decode", ()),
+    assert [(i.id, i.role, i.kvs_endpoints, i.bootstrap_port) for i in settings.instances] == [
+        ("a", "neutral", ("127.0.0.2",), None),
+        ("b", "decode", (), None),
+        ("c", "prefill", (), 8998),
     ]
 
 

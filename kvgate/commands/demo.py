@@ -16,14 +16,15 @@ from collections.abc import Iterator
 
 from kvgate.bench.loadgen import run_async
 from kvgate.bench.workload import ReplayRequest
-from kvgate.config.settings import Settings
+from kvgate.config.settings import PDProtocol, Settings
 from kvgate.demo.fleet import FleetSpec
 from kvgate.demo.report import format_table
 from kvgate.demo.runner import run_demo, trace_requests
 from kvgate.demo.workload import ConversationWorkload, conversation_requests
 from kvgate.engine_model import ServiceProfile
-from kvgate.kvs_client.launch import MooncakeMasterProcess, ServiceStartError, start_mooncake_master
+from kvgate.kvs_client.launch import MooncakeMasterProcess, start_mooncake_master
 from kvgate.mock_engine.server import MockEngineConfig
+from kvgate.processes import ServiceStartError
 from kvgate.simulator.trace import TraceError
 
 # 128 blocks of 256 tokens (32K tokens) per engine: the bundled workload's 8 documents (~32K tokens)
@@ -81,6 +82,13 @@ def add_parser(subparsers) -> None:
         help=f"KV cache of each engine in 256-token blocks (default {BUNDLED_CACHE_BLOCKS}, "
         f"{TRACE_CACHE_BLOCKS} with --trace)",
     )
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="a disaggregated fleet: the first half of --engines prefill, the rest decode",
+    )
+    parser.add_argument("--pd-protocol", choices=("sglang", "vllm"), default="vllm",
+                        help="with --pd: the hand-off the engines and the gateway speak")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -101,7 +109,7 @@ def _fleet(args: argparse.Namespace, master: MooncakeMasterProcess | None) -> Fl
         profile=ServiceProfile(cache_capacity_blocks=capacity),
         settings=Settings(),
     )
-    return FleetSpec(args.engines, engine, master)
+    return FleetSpec(args.engines, engine, master, PDProtocol(args.pd_protocol) if args.pd else None)
 
 
 @contextlib.contextmanager
@@ -119,6 +127,8 @@ def _store(use_mooncake: bool) -> Iterator[MooncakeMasterProcess | None]:
 def _check(args: argparse.Namespace) -> str | None:
     if args.engines < 1 or args.engines > 250:
         return "--engines must be in 1..250 (one loopback IP each)"
+    if args.pd and args.engines < 2:
+        return "--pd needs --engines 2 or more (a prefill and a decode engine at least)"
     if args.requests < 1 or args.duration <= 0 or args.time_scale <= 0:
         return "--requests must be >= 1, --duration and --time-scale > 0"
     if args.cache_capacity_blocks is not None and args.cache_capacity_blocks < 1:
@@ -142,9 +152,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer()  # the gateway's; the demo's prompts are token ids
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     store = "the Mooncake master" if args.mooncake else "an embedded index"
+    fleet = (f"{args.engines} mock engines ({args.engines // 2} prefill + {args.engines - args.engines // 2} decode, "
+             f"{args.pd_protocol} hand-off)" if args.pd else f"{args.engines} mock engines")
     print(
         f"kvgate demo: {len(requests)} requests ({prompt_tokens:,} prompt tokens) per policy, "
-        f"{args.engines} mock engines, KV store: {store}",
+        f"{fleet}, KV store: {store}",
         file=sys.stderr,
     )
     try:

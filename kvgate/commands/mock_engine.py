@@ -14,7 +14,9 @@ import sys
 
 from kvgate.bench.loadgen import run_async
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.config.pd import SGLANG_DEFAULT_BOOTSTRAP_PORT
 from kvgate.engine_model import ServiceProfile
+from kvgate.mock_engine.pd import PDRole
 from kvgate.mock_engine.publishers import PUBLISH_BACKENDS, PublisherOptions, open_publisher
 from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, start_mock_engine
 
@@ -94,6 +96,16 @@ def add_parser(subparsers) -> None:
         default="http://127.0.0.1:8080/metadata",
         help="Mooncake HTTP metadata server URL",
     )
+    # --- prefill/decode disaggregation (docs/PD.md) ---
+    parser.add_argument("--role", choices=("neutral", "prefill", "decode"), default="neutral",
+                        help="neutral serves whole requests; prefill and decode implement --pd-protocol's hand-off")
+    parser.add_argument("--pd-protocol", choices=("sglang", "vllm"), default=None,
+                        help="the hand-off a prefill or decode engine implements")
+    parser.add_argument("--bootstrap-port", type=int, default=None,
+                        help="prefill: also serve the KV hand-off on this port (SGLang's bootstrap server, "
+                        "default 8998 with sglang; vLLM's Mooncake connector)")
+    parser.add_argument("--kv-transfer-tokens-per-s", type=float, default=PDRole.kv_transfer_tokens_per_s,
+                        help="decode: modelled prompt tokens per second of the KV transfer from the prefill engine")
     parser.add_argument(
         "--no-prompt-tokens-details",
         action="store_true",
@@ -118,6 +130,7 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
             max_running_requests=args.max_running_requests,
         )
         return MockEngineConfig(
+            pd=_pd_role(args),
             model=args.model,
             seed=args.seed,
             time_scale=args.time_scale,
@@ -128,6 +141,31 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
         )
     except ValueError as exc:
         raise ConfigError(f"configuration error:\n  {exc}") from None
+
+
+def _pd_role(args: argparse.Namespace) -> PDRole | None:
+    if args.role == "neutral":
+        if args.pd_protocol or args.bootstrap_port:
+            raise ValueError("--pd-protocol and --bootstrap-port need --role prefill or decode")
+        return None
+    if args.pd_protocol is None:
+        raise ValueError(f"--role {args.role} needs --pd-protocol sglang | vllm")
+    if args.role == "decode" and args.bootstrap_port:
+        raise ValueError("--bootstrap-port belongs to a prefill engine")
+    bootstrap = args.bootstrap_port
+    if bootstrap is None and args.role == "prefill" and args.pd_protocol == "sglang":
+        bootstrap = SGLANG_DEFAULT_BOOTSTRAP_PORT
+    if args.kv_transfer_tokens_per_s <= 0:
+        raise ValueError("--kv-transfer-tokens-per-s must be positive")
+    return PDRole(args.role, args.pd_protocol, args.kv_transfer_tokens_per_s, bootstrap)
+
+
+def _pd_summary(config: MockEngineConfig) -> str:
+    pd = config.pd
+    if pd is None:
+        return ""
+    bootstrap = f", bootstrap port {pd.bootstrap_port}" if pd.bootstrap_port else ""
+    return f", {pd.role} engine ({pd.protocol} hand-off{bootstrap})"
 
 
 def _publisher_options(args: argparse.Namespace, config: MockEngineConfig) -> PublisherOptions:
@@ -160,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             f"mock-engine configuration OK: model {config.model}, {config.profile.cache_capacity_blocks} "
             f"blocks of {config.profile.block_size} tokens, time scale {config.time_scale}, "
             f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}"
+            + _pd_summary(config)
         )
         return 0
     run_async(lambda: _serve(args, config, options))

@@ -15,6 +15,7 @@ from typing import Any
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, Settings
 from kvgate.scheduler.registry import check_settings
 
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(cli_values, config_path=args.config)
         check_settings(settings)
-    except ConfigError as exc:
+        check_pd_serving(settings.instances, settings.pd_protocol)
+    except (ConfigError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     # Imported after validation: aiohttp, transformers and the scheduler are not needed to reject a config.
@@ -54,12 +56,18 @@ def run(args: argparse.Namespace) -> int:
     if settings.debug_routes is DebugRoutes.ADMIN and not settings.admin_token:
         logging.getLogger(__name__).warning("--debug-routes admin without --admin-token: /metrics and "
                                             "/debug/schedule answer 404")
-    from kvgate.gateway.server import run_gateway
-
     if settings.access_log:
         from kvgate.gateway.access_log import configure_logger
 
         configure_logger()
+    from kvgate.workers.supervisor import available_cores, run_workers
+
+    workers = settings.workers or available_cores()
+    if workers > 1:
+        del tokenizer  # each worker loads its own
+        return run_workers(settings, workers, args.log_level)
+    from kvgate.gateway.server import run_gateway
+
     return run_gateway(settings, tokenizer)
 
 
@@ -78,6 +86,8 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
         f"  clients:     {_client_access(settings)}; debug routes {settings.debug_routes.value};"
         f" access log {'on' if settings.access_log else 'off'}",
         f"  instance networks: {','.join(settings.instance_networks) or 'any'}",
+        f"  workers:     {settings.workers or 'one per available core'}"
+        f", account sync {'on' if settings.account_sync else 'off'}",
         f"  instances:   {len(settings.instances)}",
     ]
     for instance in settings.instances:

@@ -20,6 +20,7 @@ from kvgate.config.loader import ConfigError, add_settings_arguments, load_setti
 from kvgate.config.settings import Settings
 from kvgate.scheduler.registry import POLICY_NAMES, check_settings
 from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS, STORE_MODELS
+from kvgate.simulator.replicas import GatewayReplicas, spread_bursts
 
 # Columns of the comparison table: (summary field, header, format).
 _COLUMNS = (
@@ -90,6 +91,25 @@ def add_parser(subparsers) -> None:
         " (host link for its own, network for others'); local: one free cache per instance, no sharing",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler's random choices")
+    parser.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=1,
+        help="N > 1: also replay through N gateway replicas taking the trace round-robin, blind to each "
+        "other and then synced every --account-sync-interval-s (docs/SCALEOUT.md)",
+    )
+    parser.add_argument(
+        "--spread-bursts",
+        action="store_true",
+        help="space requests recorded at one timestamp evenly until the next (the conversation trace "
+        "records 3 s bursts; see simulator/replicas.py)",
+    )
+    # --- prefill/decode disaggregation (docs/PD.md) ---
+    parser.add_argument("--prefill-instances", type=int, help="with --decode-instances: replay over a "
+                        "disaggregated fleet, compared with as many neutral instances (TTFT and time between tokens)")
+    parser.add_argument("--decode-instances", type=int, help="decode instances of the disaggregated fleet")
+    parser.add_argument("--kv-transfer-tokens-per-s", type=float, default=None,
+                        help="prompt tokens per second moved from a prefill to a decode instance (default 100000)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", help="write TTFT CDFs per policy to this image file")
     add_settings_arguments(parser)
@@ -106,35 +126,41 @@ def run(args: argparse.Namespace) -> int:
     cli_values.setdefault("kvs_chunk_size", TRACE_BLOCK_TOKENS)
     try:
         policies = _policies(args)
-        if args.num_instances < 1 or (args.limit is not None and args.limit < 1):
-            raise ValueError("--instances and --limit must be >= 1")
+        if args.num_instances < 1 or args.gateway_replicas < 1 or (args.limit is not None and args.limit < 1):
+            raise ValueError("--instances, --gateway-replicas and --limit must be >= 1")
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
         check_settings(base)
         requests = read_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
+        if args.spread_bursts:
+            requests = spread_bursts(requests)
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
 
+    if args.prefill_instances is not None or args.decode_instances is not None:
+        return _run_pd(args, base, requests, profile)
     reference = hit_ratio_reference(requests, args.num_instances * profile.cache_capacity_blocks)
     show_progress = not args.json and sys.stderr.isatty()
     results = {}
     for policy in policies or [base.effective_policy]:
         settings = base.model_copy(update={"dispatch_policy": policy}) if policies else base
-        try:
-            results[policy] = simulate(
-                requests,
-                settings,
-                args.num_instances,
-                profile,
-                seed=args.seed,
-                show_progress=show_progress,
-                reference=reference,
-                store_model=args.store_model,
-            )
-        except ValueError as exc:
-            print(f"kvgate simulate: {exc}", file=sys.stderr)
-            return 2
+        for label, replicas in _gateways(policy, settings, args.gateway_replicas):
+            try:
+                results[label] = simulate(
+                    requests,
+                    settings,
+                    args.num_instances,
+                    profile,
+                    seed=args.seed,
+                    show_progress=show_progress,
+                    reference=reference,
+                    store_model=args.store_model,
+                    replicas=replicas,
+                )
+            except ValueError as exc:
+                print(f"kvgate simulate: {exc}", file=sys.stderr)
+                return 2
 
     header = {
         "trace": args.trace,
@@ -155,12 +181,86 @@ def run(args: argparse.Namespace) -> int:
         plot_ttft_cdfs({name: r.ttfts for name, r in results.items()}, args.plot, title)
     if args.json:
         summaries = {name: r.summary.to_dict() for name, r in results.items()}
-        body = {**header, "policies": summaries} if policies else {**header, **summaries.popitem()[1]}
+        several = policies or args.gateway_replicas > 1
+        body = {**header, "policies": summaries} if several else {**header, **summaries.popitem()[1]}
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
-    print(_report(header, [r.summary.to_dict() for r in results.values()]))
+    print(_report(header, [{**r.summary.to_dict(), "policy": name} for name, r in results.items()]))
     if args.plot:
         print(f"TTFT CDF written to {args.plot}")
+    return 0
+
+
+def _gateways(policy: str, settings: Settings, replicas: int) -> list[tuple[str, GatewayReplicas | None]]:
+    """(label, replicas): one gateway; with N > 1 replicas also N blind ones and N synced ones."""
+    if replicas == 1:
+        return [(policy, None)]
+    staleness = settings.request_local_account_staleness_s
+    interval = settings.account_sync_interval_s
+    return [
+        (f"{policy}, 1 gateway", None),
+        (f"{policy}, {replicas} replicas blind", GatewayReplicas(replicas, staleness, None)),
+        (f"{policy}, {replicas} replicas synced {interval:g} s", GatewayReplicas(replicas, staleness, interval)),
+    ]
+
+
+# Columns of the PD comparison: (row field, header, format).
+_PD_COLUMNS = (
+    ("fleet", "fleet", "{}"),
+    ("requests", "requests", "{}"),
+    ("prefix_hit_ratio", "hit ratio", "{:.1%}"),
+    ("p50_ttft_s", "p50 TTFT s", "{:.3f}"),
+    ("p90_ttft_s", "p90 TTFT s", "{:.3f}"),
+    ("p99_ttft_s", "p99 TTFT s", "{:.3f}"),
+    ("p50_tbt_ms", "p50 TBT ms", "{:.1f}"),
+    ("p90_tbt_ms", "p90 TBT ms", "{:.1f}"),
+    ("p99_tbt_ms", "p99 TBT ms", "{:.1f}"),
+    ("wall_time_s", "wall s", "{:.1f}"),
+)
+
+
+def _run_pd(args: argparse.Namespace, settings: Settings, requests, profile) -> int:
+    """P prefill + D decode instances against P + D neutral ones, same policy, same trace."""
+    from kvgate.simulator.pd_replay import DEFAULT_KV_TRANSFER_TOKENS_PER_S, simulate_pd
+    from kvgate.simulator.replay import simulate
+    from kvgate.simulator.report import percentile
+
+    prefill, decode = args.prefill_instances, args.decode_instances
+    rate = args.kv_transfer_tokens_per_s or DEFAULT_KV_TRANSFER_TOKENS_PER_S
+    if prefill is None or decode is None or prefill < 1 or decode < 1 or rate <= 0:
+        print("kvgate simulate: --prefill-instances and --decode-instances go together, each >= 1; "
+              "--kv-transfer-tokens-per-s > 0", file=sys.stderr)
+        return 2
+    show_progress = not args.json and sys.stderr.isatty()
+    try:
+        runs = {
+            f"neutral x{prefill + decode}": simulate(requests, settings, prefill + decode, profile, seed=args.seed,
+                                                      show_progress=show_progress, store_model=args.store_model),
+            f"pd {prefill}P+{decode}D": simulate_pd(requests, settings, prefill, decode, profile, seed=args.seed,
+                                                    kv_transfer_tokens_per_s=rate, show_progress=show_progress,
+                                                    store_model=args.store_model),
+        }
+    except ValueError as exc:
+        print(f"kvgate simulate: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for fleet, result in runs.items():
+        tbts = sorted(result.tbts)
+        summary = result.summary.to_dict()
+        rows.append({"fleet": fleet, **{k: summary[k] for k in (
+            "requests", "prefix_hit_ratio", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "wall_time_s")},
+            **{f"p{q}_tbt_ms": percentile(tbts, q) * 1000 if tbts else None for q in (50, 90, 99)}})
+    if args.json:
+        body = {"trace": args.trace, "policy": settings.effective_policy, "time_scale": args.time_scale,
+                "store_model": args.store_model,
+                "kv_transfer_tokens_per_s": rate, "fleets": rows}
+        sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    table = tabulate([[_cell(fmt, row[field]) for field, _, fmt in _PD_COLUMNS] for row in rows],
+                     headers=[h for _, h, _ in _PD_COLUMNS], disable_numparse=True)
+    print(f"trace {args.trace}: {len(requests)} requests, policy {settings.effective_policy}, "
+          f"{args.store_model} store, time scale {args.time_scale:g}, KV transfer {rate:,.0f} tokens/s, KV cache {profile.cache_capacity_blocks} "
+          f"blocks/instance\n\n{table}")
     return 0
 
 

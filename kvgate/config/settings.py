@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvgate.config import instance_rules
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.key_formats import check_key_format
+from kvgate.config.pd import check_pd_fleet
 
 
 class KVSBackendName(StrEnum):
@@ -28,6 +29,11 @@ class HashAlgo(StrEnum):
     SHA256_CBOR = "sha256_cbor"
     SHA256_HEX = "sha256_hex"
     XXHASH = "xxhash"
+
+
+class PDProtocol(StrEnum):
+    SGLANG = "sglang"
+    VLLM = "vllm"
 
 
 class DebugRoutes(StrEnum):
@@ -83,6 +89,11 @@ class InstanceConfig(BaseModel):
     kvs_endpoints: tuple[str, ...] = ()
     # The engine's context length (vLLM --max-model-len); bounds the prompts the gateway accepts.
     max_model_len: Annotated[int, Field(ge=1)] | None = None
+    # --- prefill/decode disaggregation: a prefill instance's KV hand-off endpoint (docs/PD.md) ---
+    # SGLang: its --disaggregation-bootstrap-port (None: SGLang's default 8998). vLLM: set only for the
+    # Mooncake connector, whose bootstrap server kvgate names to the decode instance.
+    bootstrap_port: Annotated[int | None, Field(ge=1, le=65535)] = None
+    bootstrap_host: str = Field("", description="Host of the bootstrap server; empty: the URL's host.")
     # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
     cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
 
@@ -223,6 +234,23 @@ class Settings(BaseModel):
         "alone it becomes a linear prefill curve.",
     )
 
+    # --- scale-out: worker processes and gateway replicas sharing one load account ---
+    workers: int = Field(
+        0, ge=0, description="Gateway processes sharing the port and one load account; 0 = one per available core."
+    )
+    workers_max_instances: int = Field(
+        2048, ge=1, description="Instances the workers' shared table can hold (admin adds beyond it get 409)."
+    )
+    account_sync: str = Field(
+        "", description="redis://host:port/db: replicas share their dispatch accounts through it; empty = off."
+    )
+    account_sync_interval_s: float = Field(
+        0.1, gt=0, description="How often a replica publishes its rows and folds in the others'."
+    )
+    account_sync_ttl_s: float = Field(
+        1.0, gt=0, description="A replica's published rows vanish this long after its last publication."
+    )
+
     # --- hardening: memory bounds, hung engines, bounded store answers (docs/OPERATIONS.md) ---
     tokenize_cache_bytes: int = Field(
         128 * 1024 * 1024, ge=0,
@@ -249,6 +277,15 @@ class Settings(BaseModel):
     )
     kvs_max_answer_bytes: int = Field(
         1024 * 1024, ge=1024, description="A longer KV store answer is not parsed: the lookup fails (no hits)."
+    )
+
+    # --- prefill/decode disaggregation (docs/PD.md) ---
+    pd_protocol: PDProtocol | None = Field(
+        None, description="KV hand-off between prefill and decode instances: sglang | vllm (unset: no PD)."
+    )
+    pd_skip_prefill_below_tokens: int = Field(
+        0, ge=0, description="Send a PD request straight to the decode instance when at most this many "
+        "prompt tokens are uncached there (vllm only); 0 disables.",
     )
 
     # --- front door: clients, access control, shutdown (docs/OPERATIONS.md) ---
@@ -457,6 +494,19 @@ class Settings(BaseModel):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
         if duplicated:
             raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        return self
+
+    @model_validator(mode="after")
+    def _account_sync_url(self) -> Settings:
+        if self.account_sync and not self.account_sync.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("account_sync: expected a redis://, rediss:// or unix:// URL")
+        if self.account_sync and self.account_sync_ttl_s <= 2 * self.account_sync_interval_s:
+            raise ValueError("account_sync_ttl_s must exceed twice account_sync_interval_s")
+        return self
+
+    @model_validator(mode="after")
+    def _valid_pd_fleet(self) -> Settings:
+        check_pd_fleet(self.instances, self.pd_protocol, self.pd_skip_prefill_below_tokens)
         return self
 
     @property

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
+from kvgate.config.settings import InstanceConfig, InstanceRole, KVSBackendName, PDProtocol, Settings
 from kvgate.gateway.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
+from kvgate.mock_engine.pd import PDRole
 from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine
 
@@ -26,17 +29,43 @@ class FleetSpec:
     num_engines: int
     engine: MockEngineConfig
     mooncake: MooncakeMasterProcess | None = None
+    # Prefill/decode disaggregation: the first half of the engines prefill, the rest decode.
+    pd_protocol: PDProtocol | None = None
 
     def engine_ip(self, index: int) -> str:
         """The loopback IP engine `index` holds its blocks at (its endpoint in the store)."""
         return f"127.0.0.{index + 2}"
 
+    def role(self, index: int) -> InstanceRole:
+        if self.pd_protocol is None:
+            return InstanceRole.NEUTRAL
+        return InstanceRole.PREFILL if index < max(1, self.num_engines // 2) else InstanceRole.DECODE
 
-def gateway_settings(spec: FleetSpec, policy: str, engine_urls: list[str]) -> Settings:
+    def engine_config(self, index: int) -> MockEngineConfig:
+        role = self.role(index)
+        if role == InstanceRole.NEUTRAL:
+            return self.engine
+        assert self.pd_protocol is not None
+        # A prefill engine's bootstrap server needs a port of its own (SGLang always, vLLM never here).
+        bootstrap = free_port() if role == InstanceRole.PREFILL and self.pd_protocol == PDProtocol.SGLANG else None
+        return dataclasses.replace(self.engine, pd=PDRole(role.value, self.pd_protocol.value, bootstrap_port=bootstrap))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandle]) -> Settings:
     """The engines' own hashing settings, plus the routing policy, instances and store address."""
     instances = tuple(
-        InstanceConfig(id=f"engine-{i}", url=url, model=spec.engine.model, kvs_endpoints=(spec.engine_ip(i),))
-        for i, url in enumerate(engine_urls)
+        InstanceConfig(
+            id=f"engine-{i}", url=engine.url, model=spec.engine.model, kvs_endpoints=(spec.engine_ip(i),),
+            role=spec.role(i),
+            bootstrap_port=engine.engine.config.pd.bootstrap_port if engine.engine.config.pd else None,
+        )
+        for i, engine in enumerate(engines)
     )
     values: dict[str, Any] = {
         **spec.engine.settings.model_dump(),
@@ -45,6 +74,7 @@ def gateway_settings(spec: FleetSpec, policy: str, engine_urls: list[str]) -> Se
         "dispatch_policy": policy,
         "instances": instances,
         "kvs_backend": KVSBackendName.MOONCAKE if spec.mooncake else KVSBackendName.EMBEDDED,
+        "pd_protocol": spec.pd_protocol,
     }
     if spec.mooncake is not None:
         values["kvs_metadata_service_http_server_host"] = spec.mooncake.host
@@ -66,7 +96,7 @@ async def _start_engine(spec: FleetSpec, index: int, embedded: EmbeddedKVSIndex 
     )
     publisher = await open_publisher(options, embedded)
     try:
-        return await start_mock_engine(spec.engine, publisher=publisher, name=f"engine-{index}")
+        return await start_mock_engine(spec.engine_config(index), publisher=publisher, name=f"engine-{index}")
     except BaseException:
         if publisher is not None:
             await publisher.close()
@@ -89,7 +119,7 @@ async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIt
         failures = [e for e in started if isinstance(e, BaseException)]
         if failures:
             raise failures[0]
-        settings = gateway_settings(spec, policy, [engine.url for engine in engines])
+        settings = gateway_settings(spec, policy, engines)
         gateway = await start_gateway(settings, kvs_index=embedded, tokenizer=tokenizer)
         try:
             yield gateway.url

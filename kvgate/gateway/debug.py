@@ -8,6 +8,7 @@ account is not touched, so it is safe to call against a production gateway.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -15,6 +16,7 @@ from aiohttp import web
 from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.observe import REQUEST_ID
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
+from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
 from kvgate.scheduler.ttft import TTFTPrediction
 
@@ -34,8 +36,9 @@ async def _schedule(request: web.Request) -> web.Response:
     is_chat = isinstance(body, dict) and "messages" in body
     parsed = (parse_chat if is_chat else parse_completion)(raw)
     plan = await gateway.planner.plan(parsed, explain=True)
-    rejection = gateway.scheduler.judge(plan.decision, plan.candidates)
+    rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
     return json_response({
+        **_pd_fields(plan),
         # The X-Request-Id of this call (the client's own, or the one the gateway gave it).
         "request_id": request[REQUEST_ID],
         "selected": plan.decision.selected,
@@ -75,4 +78,24 @@ def _prediction_fields(prediction: TTFTPrediction | None) -> dict[str, float | i
         "transfer_s": round(prediction.transfer_s, 6),
         "transfer_tokens": prediction.transfer_tokens,
         "local_hit_tokens": prediction.local_hit_tokens,
+    }
+
+
+def _pd_fields(plan: RoutePlan) -> dict[str, Any]:
+    """A disaggregated request's two choices, each with its ranking and scores (docs/PD.md)."""
+    if plan.pd is None:
+        return {}
+    return {
+        "pd": True,
+        "skip_prefill": plan.pd.skip_prefill,
+        "decode_miss_tokens": plan.pd.decode_miss_tokens,
+        **{
+            half: {
+                "selected": decision.selected,
+                "ranking": list(decision.ranking),
+                "instances": [{"id": s.id, "prefix_hit_tokens": s.prefix_hit_tokens, "metrics": s.metrics}
+                              for s in decision.scores],
+            }
+            for half, decision in (("prefill", plan.pd.prefill), ("decode", plan.pd.decode))
+        },
     }

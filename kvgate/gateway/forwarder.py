@@ -16,6 +16,7 @@ Rules, in the order a request meets them:
 - Each attempt owns one account entry, released on every exit path (finally).
 - Each answer's usage report is compared with the prefix hit predicted at routing (hit_accounting.py);
   a stream whose client did not ask for usage asks the engine for it (usage.py).
+- A plan with a prefill/decode decision goes to pd_forward.py instead (a pair per try).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -31,9 +33,11 @@ from aiohttp import web
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth import engine_authorization
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.handoff import make_handoff
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.pd_forward import PDForwarder
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
@@ -50,6 +54,7 @@ from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.scheduler.decode import DecodeLedger
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,7 @@ class Forwarder:
         outliers: OutlierDetector,
         hits: HitAccounting | None = None,
         ttft_feedback: TTFTFeedback | None = None,
+        decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._ttft_feedback = ttft_feedback
         self._upstream = upstream
@@ -82,14 +88,25 @@ class Forwarder:
         self._authorization = engine_authorization(settings)
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
+        # Only a gateway with a pd_protocol plans disaggregated requests (gateway/routing.py).
+        self._pd = PDForwarder(
+            upstream, make_handoff(settings.pd_protocol), registry, tracker,
+            decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit,
+        ) if settings.pd_protocol is not None else None
 
     async def forward(
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
     ) -> web.StreamResponse:
+        headers = _upstream_headers(request_id, self._authorization(request))
+        if plan.pd is not None and self._pd is not None:
+            response = await self._pd.forward(request, parsed, plan, self._pd_body(parsed, plan), headers,
+                                              request_id, arrived)
+            self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
+            return response
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         compared = self._hits is not None and _comparable(parsed, plan)
         payload, usage_asked = self._payload(parsed, plan, compared)
-        headers = _upstream_headers(request_id, self._authorization(request))
         first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else None
 
         failures: list[str] = []
@@ -152,6 +169,21 @@ class Forwarder:
             return parsed.raw, False
         return orjson.dumps({**parsed.body, **changes}), options is not None
 
+    def _pd_body(self, parsed: ParsedRequest, plan: RoutePlan) -> dict[str, Any]:
+        """The client's body as the hand-off starts from (token ids with --forward-token-ids)."""
+        if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
+            return {**parsed.body, "prompt": plan.prompt_ids}
+        return parsed.body
+
+    def _record_prefill_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, answer: bytes,
+                            request_id: str) -> None:
+        """A disaggregated request: the prefill instance's JSON answer reports what it found cached."""
+        if self._hits is None or not _comparable(parsed, plan):
+            return
+        tap = UsageTap(strip_usage_chunk=False)
+        tap.whole(answer)
+        self._record_hit(parsed, plan, instance_id, tap, request_id)
+
     def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
                     request_id: str) -> None:
         assert self._hits is not None
@@ -161,6 +193,23 @@ class Forwarder:
         predicted = score.prefix_hit_tokens if score is not None else 0
         found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
         self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
+
+    async def relay_from(
+        self,
+        request: web.Request,
+        key: str,
+        url: str,
+        path: str,
+        payload: bytes,
+        headers: str,
+        request_id: str,
+        arrived: float,
+        on_first_byte: Callable[[], None] | None = None,
+    ) -> web.StreamResponse:
+        """A decode instance's answer relayed to the client (the PD path); `key`'s account entry sees
+        its first byte. No first-byte timeout: that byte waits for the prefill and the KV transfer."""
+        return await self._attempt(request, key, url, path, payload, headers, request_id, arrived, None, None,
+                                   on_first_byte)
 
     async def _attempt(
         self,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvgate.config.settings import InstanceRole
 from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.prompt_limit import PromptLimit, prompt_too_long
@@ -23,10 +24,11 @@ from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.base import LookupStatus
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
+from kvgate.scheduler.decode import DecodeLedger, PDDecision
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.ttft import TTFTPrediction
-from kvgate.scheduler.types import Candidate, Decision, InstanceScore
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore
 
 # Hashing more tokens than this moves to the executor (sha256 over ~100K tokens takes milliseconds).
 _INLINE_HASH_TOKENS = 16384
@@ -39,7 +41,10 @@ class RoutePlan:
     kvs_status: LookupStatus
     kvs_elapsed_s: float
     candidates: tuple[Candidate, ...]
+    # The whole-request decision, or the prefill half of a disaggregated one.
     decision: Decision
+    # Set when the request goes through prefill/decode disaggregation (docs/PD.md).
+    pd: PDDecision | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,9 +62,21 @@ class RoutePlan:
         score = self.score(instance_id)
         return score.prefix_miss_tokens if score is not None else self.num_prompt_tokens
 
+    @property
+    def decode_load(self) -> InstanceLoad | None:
+        """The load of the instance chosen to decode a disaggregated request (None: the selected one
+        decodes too), for the rejection filter."""
+        if self.pd is None:
+            return None
+        return next((c.load for c in self.candidates if c.id == self.pd.decode.selected), None)
+
     def prediction(self, instance_id: str) -> TTFTPrediction | None:
         predictions = self.decision.predictions
         return predictions[instance_id] if predictions is not None and instance_id in predictions else None
+
+
+def split_by_role(candidates: Sequence[Candidate]) -> dict[InstanceRole, tuple[Candidate, ...]]:
+    return {role: tuple(c for c in candidates if c.role == role) for role in InstanceRole}
 
 
 class RoutePlanner:
@@ -73,6 +90,7 @@ class RoutePlanner:
         metrics: GatewayMetrics,
         prompt_limit: PromptLimit,
         executor: Executor | None = None,
+        decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._prompt_limit = prompt_limit
         self._scheduler = scheduler
@@ -81,6 +99,7 @@ class RoutePlanner:
         self._registry = registry
         self._account = account
         self._executor = executor
+        self._decode_ledger = decode_ledger if decode_ledger is not None else DecodeLedger()
         self._stage = {stage: metrics.stage_seconds.labels(stage) for stage in ("tokenize", "kvs", "schedule")}
 
     async def plan(self, request: ParsedRequest, explain: bool = False) -> RoutePlan:
@@ -116,13 +135,24 @@ class RoutePlanner:
             Candidate(state.id, state.config.role, self._account.load(state.id))
             for state in self._registry.routable(request.model)
         )
-        if not candidates:
-            raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
-        decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates,
-                                          disk_locations=disk_locations)
+        by_role = split_by_role(candidates)
+        pd: PDDecision | None = None
+        if self._scheduler.pd_enabled and by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
+            candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
+            pd = self._scheduler.decide_pd(len(prompt_ids), blocks, locations, by_role[InstanceRole.PREFILL],
+                                           by_role[InstanceRole.DECODE], self._decode_ledger.tokens,
+                                           disk_locations=disk_locations)
+            decision = pd.prefill
+        else:
+            # Whole requests go to neutral instances only: a decode instance refuses them.
+            candidates = by_role[InstanceRole.NEUTRAL]
+            if not candidates:
+                raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
+            decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates,
+                                              disk_locations=disk_locations)
         schedule_s = time.perf_counter() - started - kvs_elapsed
         self._stage["schedule"].observe(max(schedule_s, 0.0))
-        return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision)
+        return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd)
 
     async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
         # A batched completion is routed on its first prompt, as one engine request. Splitting it

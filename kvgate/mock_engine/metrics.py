@@ -41,10 +41,20 @@ _TTFT_BUCKETS = (
 )
 
 
+# SGLang's names for the gauges a scraper reads (REFERENCE.md section 8), by vLLM name.
+_SGLANG_NAMES = {
+    "vllm:num_requests_running": "sglang:num_running_reqs",
+    "vllm:num_requests_waiting": "sglang:num_queue_reqs",
+    "vllm:kv_cache_usage_perc": "sglang:token_usage",
+    "vllm:time_to_first_token_seconds": "sglang:time_to_first_token_seconds",
+}
+
+
 class _CoreStatsCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], CoreStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats], flavour: str = "vllm") -> None:
         self._model_name = model_name
         self._stats = stats
+        self._names = _SGLANG_NAMES if flavour == "sglang" else {}
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -63,7 +73,7 @@ class _CoreStatsCollector(Collector):
             ),
         )
         for name, documentation, value in gauges:
-            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family = GaugeMetricFamily(self._names.get(name, name), documentation, labels=["model_name"])
             family.add_metric(label, value)
             yield family
         counters = (
@@ -87,11 +97,13 @@ class _CoreStatsCollector(Collector):
 class EngineMetrics:
     """The registry one mock engine serves, plus the TTFT histogram its handlers observe."""
 
-    def __init__(self, model_name: str, stats: Callable[[], CoreStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats], flavour: str = "vllm") -> None:
+        """`flavour` "sglang" exports SGLang's names for the gauges and the TTFT histogram."""
         self.registry = CollectorRegistry()
-        self.registry.register(_CoreStatsCollector(model_name, stats))
+        self.registry.register(_CoreStatsCollector(model_name, stats, flavour))
+        ttft_name = "vllm:time_to_first_token_seconds"
         self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
+            _SGLANG_NAMES[ttft_name] if flavour == "sglang" else ttft_name,
             "Histogram of time to first token in seconds.",
             ["model_name"],
             buckets=_TTFT_BUCKETS,

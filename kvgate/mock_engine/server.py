@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -28,6 +30,7 @@ from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_words
 from kvgate.mock_engine.metrics import EngineMetrics
 from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation, parse_served
+from kvgate.mock_engine.pd import Exchange, PDEngineRole, PDRole
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
 from kvgate.scheduler.key_formats import make_key_format
@@ -51,6 +54,8 @@ class MockEngineConfig:
     settings: Settings = field(default_factory=Settings)
     # usage.prompt_tokens_details.cached_tokens in answers, as vLLM with --enable-prompt-tokens-details.
     report_cached_tokens: bool = True
+    # A prefill or decode engine of a disaggregated fleet (mock_engine/pd.py); None: a whole engine.
+    pd: PDRole | None = None
 
     def __post_init__(self) -> None:
         if self.profile.block_size != self.settings.kvs_chunk_size:
@@ -84,8 +89,13 @@ class MockEngine:
         on_change = self.publication.on_cache_change if self.publication is not None else None
         self.core = EngineCore(config.profile, on_cache_change=on_change)
         self.loop = EngineLoop(self.core, config.time_scale)
-        self.metrics = EngineMetrics(config.model, self.core.stats)
+        self.metrics = EngineMetrics(config.model, self.core.stats,
+                                     flavour=config.pd.protocol if config.pd is not None else "vllm")
         self._created = int(time.time())
+        self.pd = PDEngineRole(config.pd, name, config.time_scale) if config.pd is not None else None
+        # The last bodies received, as sent: what a router really asked this engine.
+        self.received: deque[dict[str, Any]] = deque(maxlen=64)
+        self.url = ""  # set once the server is bound
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[error_middleware])
@@ -95,6 +105,8 @@ class MockEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
+        if self.pd is not None:
+            self.pd.add_routes(app)
         return app
 
     async def start(self) -> None:
@@ -104,6 +116,8 @@ class MockEngine:
 
     async def close(self) -> None:
         await self.loop.close()
+        if self.pd is not None:
+            await self.pd.close()
         if self.publication is not None:
             await self.publication.close()
 
@@ -156,10 +170,14 @@ class MockEngine:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         generation = parse_generation(await request.read(), chat, self.config.model)
+        self.received.append(generation.parsed.body)
         prompts = await self._prompts_token_ids(generation.parsed)
         max_tokens = generation.max_tokens
         for token_ids in prompts:
             self._check_length(len(token_ids), max_tokens)
+        exchange = await self._hand_off(generation, prompts)
+        if exchange.handle is not None and self.pd is not None and self.pd.role.protocol == "sglang":
+            max_tokens = 1  # an SGLang prefill server computes the prompt and its first token only
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         # As vLLM: one engine request per prompt of a batch; its n samples share the prompt's prefill.
         engine_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
@@ -174,14 +192,37 @@ class MockEngine:
                      for token_ids in prompts for sample in range(generation.n)]
             prompt_tokens = sum(len(token_ids) for token_ids in prompts)
             if generation.parsed.stream:
-                return await self._stream(request, streams, shape, words, prompt_tokens, generation, arrived)
-            return await self._whole(streams, shape, words, prompt_tokens, generation.n, arrived)
+                response = await self._stream(request, streams, shape, words, prompt_tokens, generation, arrived,
+                                              exchange)
+            else:
+                response = await self._whole(streams, shape, words, prompt_tokens, generation.n, arrived, exchange)
+            if self.pd is not None:
+                self.pd.offer(exchange, self._keyer.keys(prompts[0]), prompt_tokens)
+            return response
         except ValueError as exc:  # a prompt can never fit this engine's KV cache
             raise APIError(400, str(exc), param="prompt") from None
         finally:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
             for engine_id in engine_ids:
                 self.loop.cancel(engine_id)
+
+    async def _hand_off(self, generation: GenerationRequest, prompts: list[Sequence[int]]) -> Exchange:
+        """Prefill: where its blocks will be offered. Decode: pulls the prompt's blocks from the
+        prefill engine into this engine's cache first."""
+        if self.pd is None:
+            return Exchange()
+        if len(prompts) != 1 or generation.n != 1:
+            raise APIError(400, f"{self.pd.role.role} instance: one prompt and n=1 per request")
+        body = generation.parsed.body
+        if self.pd.role.role == "prefill":
+            return self.pd.prefill_exchange(body, self.url)
+        exchange = await self.pd.receive(body, len(prompts[0]))
+        if exchange.received is not None:
+            block_keys = self._keyer.keys(prompts[0])
+            if exchange.received.block_keys != block_keys:
+                raise APIError(400, "decode instance: the KV received is not this prompt's")
+            self.core.cache.insert(block_keys)
+        return exchange
 
     async def _prompts_token_ids(self, parsed: ParsedRequest) -> list[Sequence[int]]:
         """The token ids of every prompt: one, or each of a batched completion's."""
@@ -251,6 +292,7 @@ class MockEngine:
         prompt_tokens: int,
         generation: GenerationRequest,
         arrived: float,
+        exchange: Exchange,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -272,9 +314,10 @@ class MockEngine:
 
         # The prompts of a batch progress together; their chunks interleave, each naming its choice.
         cached = await asyncio.gather(*(self._events(stream, arrived, sender(i)) for i, stream in enumerate(streams)))
+        exchange.cached_tokens = sum(cached)
         if generation.include_usage:
             completion_tokens = sum(len(choice) for choice in words)
-            reported = sum(cached) if self.config.report_cached_tokens else None
+            reported = exchange.reported_cached_tokens() if self.config.report_cached_tokens else None
             await response.write(sse(shape.usage_chunk(usage(prompt_tokens, completion_tokens, reported))))
         await response.write(SSE_DONE)
         await response.write_eof()
@@ -288,16 +331,18 @@ class MockEngine:
         prompt_tokens: int,
         n: int,
         arrived: float,
+        exchange: Exchange,
     ) -> web.Response:
         async def ignore(start: int, count: int, finished: bool) -> None:
             return None
 
         cached = await asyncio.gather(*(self._events(stream, arrived, ignore) for stream in streams))
+        exchange.cached_tokens = sum(cached)
         completion_tokens = sum(len(choice) for choice in words)
-        reported = sum(cached) if self.config.report_cached_tokens else None
+        reported = exchange.reported_cached_tokens() if self.config.report_cached_tokens else None
         body = shape.whole(["".join(choice) for choice in words], "length",
                            usage(prompt_tokens, completion_tokens, reported))
-        return json_response(body)
+        return json_response({**body, **exchange.answer_fields})
 
 
 @dataclass
@@ -339,4 +384,13 @@ async def start_mock_engine(
         await engine.close()
         raise
     bound_port = runner.addresses[0][1]
-    return MockEngineHandle(f"http://{host}:{bound_port}", engine, runner)
+    engine.url = f"http://{host}:{bound_port}"
+    if engine.config.pd is not None and engine.config.pd.bootstrap_port:
+        # The prefill engine's bootstrap server (SGLang, Mooncake connector): the same routes.
+        try:
+            await web.TCPSite(runner, host, engine.config.pd.bootstrap_port).start()
+        except OSError:
+            await runner.cleanup()
+            await engine.close()
+            raise
+    return MockEngineHandle(engine.url, engine, runner)

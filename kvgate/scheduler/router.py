@@ -6,10 +6,11 @@ the store, build the candidates and pass the time in.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 
 from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.scheduler.decode import DecodeChooser, PDDecision
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
 from kvgate.scheduler.prefix import EndpointMap, prefix_hit_tokens
@@ -31,6 +32,7 @@ class Scheduler:
         self.ttft = TTFTModel(TTFTProfile.from_settings(settings), settings.ttft_calibration)
         self.rejection = RejectionFilter(settings.early_rejection, settings.ttft_slo_s, settings.tbt_slo_s)
         self._instance_ids = {instance.id for instance in instances}
+        self._decode = DecodeChooser()
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         s = self._settings
@@ -97,6 +99,37 @@ class Scheduler:
         """First byte minus dispatch, for the prediction made at dispatch; returns the error
         (measured - predicted) and calibrates the instance."""
         return self.ttft.observe_ttft(prediction, measured_s)
+
+    @property
+    def pd_enabled(self) -> bool:
+        """Whether models with prefill and decode instances are served disaggregated."""
+        return self._settings.pd_protocol is not None
+
+    def decide_pd(
+        self,
+        num_prompt_tokens: int,
+        blocks: Sequence[BlockHash],
+        locations: Sequence[Collection[str]] | None,
+        prefill_candidates: Sequence[Candidate],
+        decode_candidates: Sequence[Candidate],
+        predicted_decode_tokens: Mapping[str, int],
+        *,
+        disk_locations: Sequence[Collection[str]] | None = None,
+    ) -> PDDecision:
+        """Both halves of a disaggregated request: the configured policy over the prefill instances,
+        decode load over the decode instances (scheduler/decode.py)."""
+        prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates,
+                              disk_locations=disk_locations)
+        decode = self._decode.choose(RoutingRequest(num_prompt_tokens), decode_candidates, predicted_decode_tokens)
+        # The decode instance prefills a skipped request itself: what it misses is what it computes.
+        decode_hit = 0
+        if locations is not None and decode.selected is not None:
+            decode_hit = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens).get(
+                decode.selected, 0)
+        miss = max(0, num_prompt_tokens - decode_hit)
+        threshold = self._settings.pd_skip_prefill_below_tokens
+        return PDDecision(prefill, decode, skip_prefill=bool(threshold) and miss <= threshold,
+                          decode_miss_tokens=miss)
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> None:
         """Instances added or removed at run time: their store endpoints change with them."""

@@ -32,7 +32,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -46,6 +46,7 @@ from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, EngineStats
 from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
+from kvgate.simulator.replicas import GatewayReplicas
 from kvgate.simulator.report import HitRatioReference, SimulationSummary, SLOOutcome, summarise
 from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
 
@@ -96,6 +97,7 @@ class Replay:
         show_progress: bool = False,
         reference: HitRatioReference,
         store_model: str = "shared",
+        replicas: GatewayReplicas | None = None,
     ) -> None:
         if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
             raise ValueError(
@@ -110,7 +112,9 @@ class Replay:
         self._show_progress = show_progress
         configs = simulated_instances(num_instances)
         self.scheduler = Scheduler(settings, configs, rng=random.Random(seed))
-        self.account = LoadAccount(settings.request_local_account_staleness_s)
+        # One gateway, or several replicas each with its own account (simulator/replicas.py).
+        self._replicas = replicas
+        self.account: LoadAccount | GatewayReplicas = replicas or LoadAccount(settings.request_local_account_staleness_s)
         self.index = EmbeddedKVSIndex()
         self.store = self._shared_store(store_model, profile, settings, len(configs))
         if self.store is not None:
@@ -213,7 +217,9 @@ class Replay:
                     self._end_step(slot, when)
                 elif kind == _STEP_START:
                     self._start_step(slot, when)
-                elif next_arrival < len(requests) or any(inst.busy for inst in self.instances):
+                elif kind != _SCRAPE:
+                    self._on_event(kind, slot, when)
+                elif next_arrival < len(requests) or self._has_work():
                     self._scrape(when)
                     self._push(when + scrape_every, _SCRAPE, -1)
                 continue
@@ -225,6 +231,17 @@ class Replay:
             progress.update(1)
         progress.close()
         return self._result(time.perf_counter() - started)
+
+    def _prompt_instances(self) -> list[SimInstance]:
+        """The instances whose prefix caches the hit ratio counts (those that compute prompts)."""
+        return self.instances
+
+    def _has_work(self) -> bool:
+        return any(inst.busy for inst in self.instances)
+
+    def _on_event(self, kind: int, slot: int, now: float) -> None:
+        """Events of kinds a subclass pushes (the PD replay's KV transfers)."""
+        raise ValueError(f"unknown event kind {kind}")
 
     def blocks(self, req: TraceRequest) -> list[BlockHash]:
         """The request's blocks as the gateway's hasher would give them for this trace."""
@@ -243,6 +260,8 @@ class Replay:
         # Engines cache and publish under the store key names the gateway looks up.
         keys = scheduler.block_keys(blocks)
         locations = [self.index.holders(key) for key in keys] if scheduler.wants_kvs(n) else None
+        if self._replicas is not None:
+            self._replicas.sync_until(now)  # the account syncs due before this decision
         candidates = [
             Candidate(inst.config.id, inst.config.role, account.load(inst.config.id))
             for inst in self.instances
@@ -287,6 +306,17 @@ class Replay:
         inst = self.instances[slot]
         out = inst.pending
         inst.pending = None
+        self._record(inst, out, now)
+        if not inst.engine.has_work():
+            inst.busy = False
+        elif self._next_arrival_at > now:
+            self._start_step(slot, now)
+        else:
+            # An arrival at this very instant must be dispatched before the next step starts.
+            self._push(now, _STEP_START, slot)
+
+    def _record(self, inst: SimInstance, out: StepOutcome, now: float) -> None:
+        """A step's first tokens and finishes: timings and the account."""
         account = self.account
         requests = self._requests
         for rid in out.first_tokens:
@@ -303,13 +333,6 @@ class Replay:
             first_token_at = requests[i].arrival_s + self.ttft[i]
             self.tbt[i] = (now - first_token_at) / max(1, requests[i].output_length - 1)
             account.release(rid)
-        if not inst.engine.has_work():
-            inst.busy = False
-        elif self._next_arrival_at > now:
-            self._start_step(slot, now)
-        else:
-            # An arrival at this very instant must be dispatched before the next step starts.
-            self._push(now, _STEP_START, slot)
 
     def _scrape(self, now: float) -> None:
         """What the gateway's stats poller does: read every engine's gauges, age the account."""
@@ -323,7 +346,7 @@ class Replay:
         self.account.expire(now)
 
     def _result(self, wall_time_s: float) -> SimulationResult:
-        engine_stats = [inst.engine.stats() for inst in self.instances]
+        engine_stats = [inst.engine.stats() for inst in self._prompt_instances()]
         ttfts = [t for t in self.ttft if not math.isnan(t)]
         summary = summarise(
             policy=self.scheduler.policy.name,
@@ -343,7 +366,7 @@ class Replay:
             transfer_tokens=self.transfer_tokens,
             prediction_errors=self.prediction_errors,
         )
-        return SimulationResult(summary, ttfts)
+        return SimulationResult(summary, ttfts, [t for t in self.tbt if not math.isnan(t)])
 
 
 @dataclass(frozen=True)
@@ -351,6 +374,8 @@ class SimulationResult:
     summary: SimulationSummary
     # Every request's time to first token, in trace order (for CDF plots).
     ttfts: list[float]
+    # Every finished request's mean time between tokens after the first (0 for one-token answers).
+    tbts: list[float] = field(default_factory=list)
 
 
 def hit_ratio_reference(requests: Sequence[TraceRequest], fleet_capacity_blocks: int) -> HitRatioReference:
@@ -369,8 +394,10 @@ def simulate(
     show_progress: bool = False,
     reference: HitRatioReference | None = None,
     store_model: str = "shared",
+    replicas: GatewayReplicas | None = None,
 ) -> SimulationResult:
-    """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines."""
+    """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines,
+    through one gateway or through `replicas`."""
     replay = Replay(
         requests,
         settings,
@@ -380,5 +407,6 @@ def simulate(
         show_progress=show_progress,
         reference=reference or hit_ratio_reference(requests, num_instances * profile.cache_capacity_blocks),
         store_model=store_model,
+        replicas=replicas,
     )
     return replay.run()
