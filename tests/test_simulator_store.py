@@ -9,12 +9,13 @@ import pytest
 from kvgate.cli import main
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
 from kvgate.engine_model.store import SharedStore, StoreProfile
+from kvgate.simulator.oracle import ORACLE_NAME, OracleReplay
 from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
 from kvgate.simulator.report import percentile
 from kvgate.simulator.trace import read_trace
 from tests.test_simulator import prefix_heavy_rows, settings
-from tests.trace_helpers import write_trace
+from tests.trace_helpers import row, write_trace
 
 BS = 16
 # 1 MB per block: 1 ms from the own segment (1 GB/s), 4 ms from another (250 MB/s).
@@ -153,3 +154,35 @@ def test_summary_reports_the_ttft_models_error_on_every_served_request(prefix_tr
     assert sorted(replay.prediction_errors) == pytest.approx(errors)
     assert summary.prediction_error_p50_s == pytest.approx(percentile(errors, 50))
     assert summary.prediction_error_p10_s <= summary.prediction_error_p50_s <= summary.prediction_error_p90_s
+
+
+def test_the_oracle_sends_a_request_where_its_first_token_comes_first(tmp_path, capsys):
+    """Two long prompts at once: the second goes to the idle instance. A third, continuing the first
+    conversation once both are idle, goes where its prefix is in HBM (no load from the store)."""
+    first = list(range(40))
+    rows = [row(0, first), row(1, list(range(100, 140))), row(60_000, [*first, 900])]
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    profile = trace_profile()
+    replay = OracleReplay(trace, settings("least_load"), 2, profile, store_model="shared",
+                          reference=hit_ratio_reference(trace, 2 * profile.cache_capacity_blocks))
+    lru_before_forecasts = []
+    forecast = replay._forecast
+
+    def watched(slot, req, now):
+        lru_before_forecasts.append([list(segment) for segment in replay.store._segments])
+        result = forecast(slot, req, now)
+        # Forecasting touches neither the store's recency nor the engines.
+        assert [list(segment) for segment in replay.store._segments] == lru_before_forecasts[-1]
+        return result
+
+    replay._forecast = watched
+    summary = replay.run().summary
+    assert summary.policy == ORACLE_NAME
+    assert [inst.requests for inst in replay.instances] == [2, 1]
+    assert replay.instances[0].engine.stats().prefix_cache_hits == 40 * 512  # the third's HBM hit
+    assert summary.transfer_tokens == 0 and replay.account.total_inflight() == 0
+    # The CLI adds it as a row beside the policies.
+    assert main(["simulate", "--trace", str(tmp_path / "t.jsonl"), "--instances", "2", "--oracle",
+                 "--policy", "least_load", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert set(body["policies"]) == {"least_load", ORACLE_NAME}

@@ -90,6 +90,12 @@ def add_parser(subparsers) -> None:
         help="shared (default): HBM per instance + a DRAM segment each in one pool any instance loads from"
         " (host link for its own, network for others'); local: one free cache per instance, no sharing",
     )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="add a greedy_oracle row: each request to the instance where a forward run of that engine's"
+        " exact state gives the earliest first token (what perfect knowledge gains by placement alone)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler's random choices")
     parser.add_argument(
         "--gateway-replicas",
@@ -161,6 +167,12 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"kvgate simulate: {exc}", file=sys.stderr)
                 return 2
+    if args.oracle:
+        from kvgate.simulator.oracle import ORACLE_NAME, OracleReplay
+
+        results[ORACLE_NAME] = OracleReplay(requests, base, args.num_instances, profile, seed=args.seed,
+                                            show_progress=show_progress, reference=reference,
+                                            store_model=args.store_model).run()
 
     header = {
         "trace": args.trace,
@@ -181,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         plot_ttft_cdfs({name: r.ttfts for name, r in results.items()}, args.plot, title)
     if args.json:
         summaries = {name: r.summary.to_dict() for name, r in results.items()}
-        several = policies or args.gateway_replicas > 1
+        several = policies or args.gateway_replicas > 1 or args.oracle
         body = {**header, "policies": summaries} if several else {**header, **summaries.popitem()[1]}
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0

@@ -43,6 +43,14 @@ class BlockCache:
     def free_blocks(self) -> int:
         return self.capacity_blocks - len(self._lru) - len(self._pins) - self._reserved
 
+    def copy(self) -> BlockCache:
+        """An independent cache in the same state (for what-if forecasts)."""
+        clone = BlockCache(self.capacity_blocks)
+        clone._lru = self._lru.copy()
+        clone._pins = dict(self._pins)
+        clone._reserved = self._reserved
+        return clone
+
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are cached (contiguous from the first); those are touched."""
         lru, pins = self._lru, self._pins

@@ -107,6 +107,13 @@ class _Sequence:
         self.reserved = 0  # blocks of KV memory reserved and not yet committed
 
 
+def _copy_sequence(seq: _Sequence) -> _Sequence:
+    clone = object.__new__(_Sequence)
+    for name in _Sequence.__slots__:
+        setattr(clone, name, getattr(seq, name))
+    return clone
+
+
 class EngineCore:
     def __init__(
         self,
@@ -171,6 +178,25 @@ class EngineCore:
         raise AssertionError(f"request {request_id!r} tracked but neither waiting nor running")
 
     # --- observation ---
+
+    def forecast_ttft(self, req: EngineRequest, now: float, free_at: float, store_loader: StoreLoader | None) -> float:
+        """Seconds from `now` to `req`'s first token if it were submitted now and nothing else
+        arrived, the engine's next step starting at `free_at`. Runs a copy (no callbacks, the given
+        pure `store_loader`): the engine itself is not touched."""
+        copy = EngineCore(self.profile, None, store_loader)
+        copy.cache = self.cache.copy()
+        copy._waiting = deque(_copy_sequence(seq) for seq in self._waiting)
+        copy._running = [_copy_sequence(seq) for seq in self._running]
+        copy._ids = set(self._ids)
+        copy._uncomputed = self._uncomputed
+        copy._load_s = self._load_s
+        copy.submit(req, now)
+        at = free_at
+        while True:
+            out = copy.step(at)
+            at += out.duration_s
+            if req.request_id in out.first_tokens:
+                return at - now
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)

@@ -55,14 +55,16 @@ class SharedStore:
     def holder(self, key: str) -> int | None:
         return self._holder.get(key)
 
-    def plan_load(self, segment: int, keys: Sequence[str]) -> StoreLoad:
-        """How many of `keys` (the blocks after the HBM hit), from the first, the pool holds; touches them."""
+    def plan_load(self, segment: int, keys: Sequence[str], touch: bool = True) -> StoreLoad:
+        """How many of `keys` (the blocks after the HBM hit), from the first, the pool holds; touches
+        them unless `touch` is False (a what-if forecast)."""
         own = remote = 0
         for key in keys:
             holder = self._holder.get(key)
             if holder is None:
                 break
-            self._segments[holder].move_to_end(key)
+            if touch:
+                self._segments[holder].move_to_end(key)
             if holder == segment:
                 own += 1
             else:

@@ -80,6 +80,7 @@ class SimInstance:
     engine: EngineCore
     busy: bool = False  # a step is running or about to start
     pending: StepOutcome | None = None
+    pending_ends_at: float = 0.0  # when the pending step ends
     requests: int = 0
 
 
@@ -243,6 +244,10 @@ class Replay:
         """Events of kinds a subclass pushes (the PD replay's KV transfers)."""
         raise ValueError(f"unknown event kind {kind}")
 
+    @property
+    def policy_name(self) -> str:
+        return self.scheduler.policy.name
+
     def blocks(self, req: TraceRequest) -> list[BlockHash]:
         """The request's blocks as the gateway's hasher would give them for this trace."""
         full = req.input_length // TRACE_BLOCK_TOKENS
@@ -300,7 +305,8 @@ class Replay:
             self.queue[int(rid)] = waited
         self.transfer_tokens += out.loaded_remote_tokens
         inst.pending = out
-        self._push(now + out.duration_s, _STEP_END, slot)
+        inst.pending_ends_at = now + out.duration_s
+        self._push(inst.pending_ends_at, _STEP_END, slot)
 
     def _end_step(self, slot: int, now: float) -> None:
         inst = self.instances[slot]
@@ -349,7 +355,7 @@ class Replay:
         engine_stats = [inst.engine.stats() for inst in self._prompt_instances()]
         ttfts = [t for t in self.ttft if not math.isnan(t)]
         summary = summarise(
-            policy=self.scheduler.policy.name,
+            policy=self.policy_name,
             ttfts=ttfts,
             queue_times=[q for q in self.queue if not math.isnan(q)],
             arrivals=[r.arrival_s for r in self._requests],
