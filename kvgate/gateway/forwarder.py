@@ -38,6 +38,7 @@ from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.pd_forward import PDForwarder
+from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
@@ -73,6 +74,7 @@ class Forwarder:
         hits: HitAccounting | None = None,
         ttft_feedback: TTFTFeedback | None = None,
         decode_ledger: DecodeLedger | None = None,
+        prfaas: PrfaasLink | None = None,
     ) -> None:
         self._ttft_feedback = ttft_feedback
         self._upstream = upstream
@@ -92,7 +94,7 @@ class Forwarder:
         self._pd = PDForwarder(
             upstream, make_handoff(settings.pd_protocol), registry, tracker,
             decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
-            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, prfaas,
         ) if settings.pd_protocol is not None else None
 
     async def forward(

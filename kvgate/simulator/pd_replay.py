@@ -79,7 +79,7 @@ class PDReplay(Replay):
         wants_hits = scheduler.wants_kvs(n) or self._settings.pd_skip_prefill_below_tokens > 0
         locations = [self.index.holders(key) for key in keys] if wants_hits else None
         pd = scheduler.decide_pd(n, blocks, locations, self._candidates(InstanceRole.PREFILL),
-                                 self._candidates(InstanceRole.DECODE), self.ledger.tokens)
+                                 self._candidates(InstanceRole.DECODE), self.ledger.tokens, now=now)
         rid, i = str(req.index), req.index
         full_keys = tuple(keys[: n // TRACE_BLOCK_TOKENS])
         decode_id = pd.decode.ranking[0]
