@@ -11,23 +11,10 @@ import pytest
 
 from kvgate.bench import peers
 from kvgate.bench.loadgen import ClosedLoopResult, LatencyStats, summarize_replay
-from kvgate.bench.routers import (
-    DEFAULT_TARGETS,
-    DIRECT,
-    Engine,
-    RoutersConfig,
-    Target,
-    TargetResult,
-    added_latency_ms,
-    cpu_split,
-    gateway_stage_ms,
-    kvgate_config,
-    pinned,
-    plot,
-    results_json,
-    serves_tokenize,
-    table_rows,
-)
+from kvgate.bench.routers.phases import gateway_stage_ms, serves_tokenize
+from kvgate.bench.routers.processes import Engine, cpu_split, kvgate_config, pinned
+from kvgate.bench.routers.report import added_latency_ms, plot, results_json, table_rows
+from kvgate.bench.routers.targets import DEFAULT_TARGETS, DIRECT, RoutersConfig, Target, TargetResult
 from kvgate.config.settings import Settings
 
 WORKERS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
@@ -83,6 +70,16 @@ def test_targets():
         Target.parse("sglang-router:prefix")  # peers only share kvgate's two policies
     assert Target.parse("kvgate:prefix") == Target("kvgate", "prefix")  # any kvgate policy
     assert DEFAULT_TARGETS[0] == Target(DIRECT) and len(DEFAULT_TARGETS) == 7
+    # `kvgate serve --workers`: kvgate:policy:N, or --workers expanding every kvgate target.
+    assert Target.parse("kvgate:cache_aware:2") == Target("kvgate", "cache_aware", 2)
+    assert Target("kvgate", "cache_aware", 2).label == "kvgate cache_aware x2"
+    with pytest.raises(ValueError, match="only kvgate"):
+        Target.parse("sglang-router:cache_aware:2")
+    with pytest.raises(ValueError, match="positive"):
+        Target.parse("kvgate:cache_aware:0")
+    assert Target("kvgate", "cache_aware").with_workers((1, 2)) == [
+        Target("kvgate", "cache_aware", 1), Target("kvgate", "cache_aware", 2)]
+    assert Target(DIRECT).with_workers((1, 2)) == [Target(DIRECT)]
 
 
 def test_kvgate_config_is_valid_settings():
@@ -92,6 +89,9 @@ def test_kvgate_config_is_valid_settings():
     assert settings.effective_policy == "cache_aware"
     assert [i.kvs_endpoints for i in settings.instances] == [("127.0.0.2",), ("127.0.0.3",)]
     assert settings.kvs_redis_url == "redis://127.0.0.1:6390/0" and settings.host == "127.0.0.1"
+    assert settings.workers == 1  # one process unless asked: the replay pins the router to its cores
+    overhead = Settings.model_validate(kvgate_config("cache_aware", 8300, engines, "redis://x:1/0", "", 2, 256))
+    assert overhead.workers == 2 and overhead.cache_aware_scheduling_min_tokens == 256
 
 
 def test_cpu_split_and_pinning():

@@ -9,7 +9,7 @@ from kvgate.config.settings import KVSBackendName
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
-from kvgate.kvs_client.launch import free_port
+from kvgate.processes import free_port
 from kvgate.scheduler.router import Scheduler
 from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream

@@ -58,7 +58,8 @@ async def test_sigterm_drains_then_exits_zero(tmp_path):
     port = free_port()
     config = tmp_path / "gateway.yaml"
     config.write_text(
-        f"port: {port}\nshutdown_grace_s: {GRACE_S}\naccess_log: true\ninstances:\n"
+        # One process: its drain report is the one checked below (workers each report their own).
+        f"port: {port}\nworkers: 1\nshutdown_grace_s: {GRACE_S}\naccess_log: true\ninstances:\n"
         f"  - {{id: e-short, url: '{short.url}', model: short}}\n"
         f"  - {{id: e-long, url: '{long.url}', model: long}}\n")
     process = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config)],

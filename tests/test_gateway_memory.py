@@ -21,8 +21,10 @@ from kvgate.kvs_client.launch import free_port
 MB = 1024 * 1024
 CACHE_BYTES = 16 * MB
 MAX_PROMPT_TOKENS = 400_000  # the 200K-token prompts pass, the 1.3M-token one is counted and refused
+# One process (workers: 1): its RSS and its own tokenize cache are what is measured.
 CONFIG = """
 port: {port}
+workers: 1
 tokenize_cache_bytes: {cache}
 max_prompt_tokens: {max_prompt}
 kvs_backend: embedded

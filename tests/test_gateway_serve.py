@@ -12,7 +12,7 @@ import urllib.request
 import orjson
 import pytest
 
-from kvgate.kvs_client.launch import free_port
+from kvgate.processes import free_port
 
 CONFIG = """
 port: {port}

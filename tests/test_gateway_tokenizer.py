@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import add_special_tokens
 from kvgate.gateway.tokenizer import (
     INLINE_MAX_CHARS,
+    LONG_PROMPT_CHARS,
     ChatTemplateError,
     TokenizerLoadError,
     TokenizerService,
@@ -104,6 +106,29 @@ async def test_async_paths_run_long_prompts_in_the_executor(tokenizer, service):
     assert ids == tokenizer.encode(long_text) and short == tokenizer.encode("hi")
     messages = [{"role": "user", "content": long_text}]
     assert await service.encode_chat(messages, body_bytes=len(long_text)) == full_chat_ids(tokenizer, messages)
+
+
+async def test_a_long_prompt_never_queues_a_medium_one_behind_it(tokenizer, service, monkeypatch):
+    """Two long prompts' encodes are held until the medium ones are done: they must not wait for them
+    (with one shared pool of two threads, both threads would be taken by the long ones)."""
+    held = threading.Event()
+    encode_plain = service._encode_plain
+
+    def slow_for_long_texts(texts: list[str]) -> list[tuple[int, ...]]:
+        if sum(map(len, texts)) > LONG_PROMPT_CHARS:
+            held.wait(timeout=10)
+        return encode_plain(texts)
+
+    monkeypatch.setattr(service, "_encode_plain", slow_for_long_texts)
+    long_texts = [f"word{n}\nother " * (LONG_PROMPT_CHARS // 5) for n in range(2)]
+    medium = [f"medium {n} " * (INLINE_MAX_CHARS // 8) for n in range(4)]
+    long_tasks = [asyncio.ensure_future(service.encode_prompt(text)) for text in long_texts]
+    await asyncio.sleep(0.05)  # the long ones are being encoded
+    encoded = await asyncio.wait_for(asyncio.gather(*map(service.encode_prompt, medium)), timeout=5)
+    assert encoded == [tokenizer.encode(m) for m in medium]
+    assert not any(task.done() for task in long_tasks)
+    held.set()
+    assert await asyncio.gather(*long_tasks) == [tokenizer.encode(text) for text in long_texts]
 
 
 def test_text_parts_are_joined_and_media_parts_left_out(tokenizer, service):

@@ -2,18 +2,22 @@
 
 Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
 - an instant backend (kvgate.bench.instant_backend: parses the request, answers at once);
-- `kvgate serve` with that backend as its only instance (default settings: least_load policy,
-  tokenizer, health checks, stats scraping all on);
+- `kvgate serve` with that backend as its only instance, once per `--workers` count (default
+  1 and 2), on the cache-aware path: cache_aware policy, the ~2 KB (~400-token) prompt above
+  `cache_aware_scheduling_min_tokens`, so every request is tokenized, hashed and looked up in the
+  embedded index; health checks and stats scraping on;
+- sglang-router 0.3.2 with its cache_aware policy in front of the same backend (installed into
+  the peers' virtualenv, see peers.py; `--no-peers` skips it);
 - the load generator (closed loop, fixed ~2 KB completion, whole JSON or with --stream an SSE
-  stream), run once straight at the backend (the baseline) and once through the gateway, at each
-  concurrency.
+  stream), run straight at the backend (the baseline) and through each router, at each
+  concurrency, interleaved: baseline, then every router, before the next concurrency.
 
-Added latency = gateway percentile - direct percentile, measured in the same run. The maximum
-request rate is the closed loop's rate at the highest concurrency. Latency on a shared machine
-moves with its load; the gateway's CPU time per request (from /proc, over the requests its own
-counter saw) does much less, so it is reported too: 1 / (CPU per request) bounds the rate of one core.
-With --runs N the whole sequence is repeated N times against the same processes and every figure
-is the median over the runs (each run's added latency against its own baseline).
+Added latency = router percentile - direct percentile, measured in the same run. The request rate
+is the closed loop's rate. "vs peer" is a router's rate over sglang-router cache_aware's in the
+same run. Latency on a shared machine moves with its load; the gateway's CPU time per request (its
+processes' CPU from /proc, over the requests its own counter saw) does much less, so it is reported
+too. With --runs N the whole sequence is repeated N times against the same processes and every
+figure is the median over the runs (each run's added latency against its own baseline).
 """
 
 from __future__ import annotations
@@ -35,13 +39,19 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from tabulate import tabulate
+from tqdm import tqdm
 
+from kvgate.bench import peers
 from kvgate.bench.loadgen import OVERHEAD_PROMPT, ClosedLoopResult, closed_loop_in_process, in_own_process
-from kvgate.bench.routers import instant_backends
-from kvgate.kvs_client.launch import LocalProcess, free_port
+from kvgate.bench.routers.processes import instant_backends, router
+from kvgate.bench.routers.targets import DIRECT, OVERHEAD_CACHE_AWARE_MIN_TOKENS, Target
 from kvgate.mock_engine.server import DEFAULT_MODEL
+from kvgate.processes import LocalProcess, free_port
 
 _START_TIMEOUT_S = 90.0
+
+
+PEER = Target("sglang-router", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -51,20 +61,38 @@ class OverheadConfig:
     max_requests: int = 20000
     runs: int = 1
     stream: bool = False
+    workers: tuple[int, ...] = (1, 2)
+    peers: bool = True
+    venv_dir: Path | None = None
+    install_peers: bool = True
+
+
+@dataclass(frozen=True)
+class RoutedLoop:
+    """One router's loop, and its CPU per answered request when it could be read."""
+
+    result: ClosedLoopResult
+    cpu_ms_per_request: float | None = None
 
 
 @dataclass(frozen=True)
 class OverheadRun:
-    """One concurrency, one run: the baseline and the gateway loop right after it."""
+    """One concurrency, one run: the baseline and each router's loop right after it, by label."""
 
     direct: ClosedLoopResult
-    gateway: ClosedLoopResult
-    gateway_cpu_ms_per_request: float | None
+    routed: dict[str, RoutedLoop]
 
-    def added_ms(self, percentile: str) -> float | None:
-        if self.direct.latency is None or self.gateway.latency is None:
+    def added_ms(self, label: str, percentile: str) -> float | None:
+        loop = self.routed.get(label)
+        if loop is None or self.direct.latency is None or loop.result.latency is None:
             return None
-        return (getattr(self.gateway.latency, percentile) - getattr(self.direct.latency, percentile)) * 1000
+        return (getattr(loop.result.latency, percentile) - getattr(self.direct.latency, percentile)) * 1000
+
+    def rate_ratio(self, label: str, reference: str) -> float | None:
+        mine, theirs = self.routed.get(label), self.routed.get(reference)
+        if mine is None or theirs is None or not theirs.result.requests_per_s:
+            return None
+        return mine.result.requests_per_s / theirs.result.requests_per_s
 
 
 @dataclass(frozen=True)
@@ -78,26 +106,37 @@ class OverheadRow:
         values = [v for v in map(figure, self.runs) if v is not None]
         return statistics.median(values) if values else None
 
-    def added_ms(self, percentile: str) -> float | None:
-        return self.median(lambda run: run.added_ms(percentile))
+    @property
+    def labels(self) -> list[str]:
+        return list(dict.fromkeys(label for run in self.runs for label in run.routed))
 
-    def latency_ms(self, side: str, percentile: str) -> float | None:
+    def _loop(self, run: OverheadRun, label: str) -> ClosedLoopResult | None:
+        if label == DIRECT:
+            return run.direct
+        routed = run.routed.get(label)
+        return routed.result if routed else None
+
+    def added_ms(self, label: str, percentile: str) -> float | None:
+        return self.median(lambda run: run.added_ms(label, percentile))
+
+    def latency_ms(self, label: str, percentile: str) -> float | None:
         def read(run: OverheadRun) -> float | None:
-            latency = getattr(run, side).latency
-            return getattr(latency, percentile) * 1000 if latency is not None else None
+            loop = self._loop(run, label)
+            return getattr(loop.latency, percentile) * 1000 if loop and loop.latency else None
 
         return self.median(read)
 
-    def requests_per_s(self, side: str) -> float | None:
-        return self.median(lambda run: getattr(run, side).requests_per_s)
+    def requests_per_s(self, label: str) -> float | None:
+        return self.median(lambda run: loop.requests_per_s if (loop := self._loop(run, label)) else None)
 
-    @property
-    def gateway_cpu_ms_per_request(self) -> float | None:
-        return self.median(lambda run: run.gateway_cpu_ms_per_request)
+    def rate_ratio(self, label: str, reference: str) -> float | None:
+        return self.median(lambda run: run.rate_ratio(label, reference))
 
-    @property
-    def errors(self) -> int:
-        return sum(sum(run.direct.errors.values()) + sum(run.gateway.errors.values()) for run in self.runs)
+    def cpu_ms_per_request(self, label: str) -> float | None:
+        return self.median(lambda run: loop.cpu_ms_per_request if (loop := run.routed.get(label)) else None)
+
+    def errors(self, label: str) -> int:
+        return sum(sum(loop.errors.values()) for run in self.runs if (loop := self._loop(run, label)))
 
 
 def _listening(base_url: str) -> bool:
@@ -108,19 +147,35 @@ def _listening(base_url: str) -> bool:
         return False
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a gateway with workers is a supervisor and its children)."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        for task in Path(f"/proc/{pids[index]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pids += [int(child) for child in task.read_text().split()]
+        index += 1
+    return pids
+
+
 @dataclass(frozen=True)
 class GatewayProcess:
     url: str
     pid: int
 
     def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the gateway process (Linux /proc), None elsewhere."""
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        # Fields 14 and 15 of stat(5) (utime, stime), counted after the ")" that ends the command name.
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU time of the gateway's processes (Linux /proc), None elsewhere."""
+        total = 0.0
+        for pid in _process_tree(self.pid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                if pid == self.pid:
+                    return None
+                continue
+            # Fields 14 and 15 of stat(5) (utime, stime), counted after the ")" that ends the command name.
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     def requests_answered(self) -> float:
         """The gateway's own count of 200 answers on /v1/completions."""
@@ -134,24 +189,35 @@ class GatewayProcess:
 
 
 @contextlib.contextmanager
-def gateway_process(backend_url: str, log_dir: Path) -> Iterator[GatewayProcess]:
+def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterator[GatewayProcess]:
     port = free_port()
     config = {
         "host": "127.0.0.1",
         "port": port,
-        "kvs_backend": "embedded",  # nothing to ask: the prompt is below the cache-aware threshold
+        "workers": workers,
+        # The cache-aware path: the ~400-token prompt is above the threshold, so each request is
+        # tokenized, hashed and looked up (in the embedded index, which holds nothing).
+        "dispatch_policy": "cache_aware",
+        "cache_aware_scheduling_min_tokens": OVERHEAD_CACHE_AWARE_MIN_TOKENS,
+        "kvs_backend": "embedded",
         "instances": [{"id": "backend", "url": backend_url, "model": DEFAULT_MODEL}],
     }
-    config_path = log_dir / "gateway.yaml"
+    config_path = log_dir / f"gateway-w{workers}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     argv = [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config_path), "--log-level", "WARNING"]
-    process = LocalProcess(argv, log_dir / "gateway.log")
+    process = LocalProcess(argv, log_dir / f"gateway-w{workers}.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        process.wait_ready(lambda: _listening(url), "kvgate serve", _START_TIMEOUT_S)
+        # With workers, one may listen before the others: wait for the supervisor's line.
+        process.wait_ready(lambda: _listening(url) and (workers == 1 or _said_listening(process)),
+                           "kvgate serve", _START_TIMEOUT_S)
         yield GatewayProcess(url, process.pid)
     finally:
         process.stop()
+
+
+def _said_listening(process: LocalProcess) -> bool:
+    return "kvgate gateway listening on" in process.log_tail()
 
 
 def _loop(config: OverheadConfig, base_url: str, concurrency: int) -> ClosedLoopResult:
@@ -160,19 +226,48 @@ def _loop(config: OverheadConfig, base_url: str, concurrency: int) -> ClosedLoop
                           config.duration_s, config.max_requests, timeout_s=config.duration_s + 60.0)
 
 
-def measure(config: OverheadConfig, log_dir: Path) -> list[OverheadRow]:
+def _gateway_loop(config: OverheadConfig, gateway: GatewayProcess, concurrency: int) -> RoutedLoop:
+    cpu_before, answered_before = gateway.cpu_seconds(), gateway.requests_answered()
+    result = _loop(config, gateway.url, concurrency)
+    cpu_after, answered = gateway.cpu_seconds(), gateway.requests_answered() - answered_before
+    cpu_ms = None
+    if cpu_before is not None and cpu_after is not None and answered:
+        cpu_ms = (cpu_after - cpu_before) / answered * 1000
+    return RoutedLoop(result, cpu_ms)
+
+
+def gateway_label(workers: int) -> str:
+    return f"kvgate cache_aware --workers {workers}"
+
+
+def measure(config: OverheadConfig, log_dir: Path, log: Callable[[str], None] = print) -> list[OverheadRow]:
     runs: dict[int, list[OverheadRun]] = {concurrency: [] for concurrency in config.concurrency}
-    with instant_backends(1, log_dir) as backends, gateway_process(backends[0].url, log_dir) as gateway:
-        for _ in range(config.runs):
-            for concurrency in config.concurrency:
-                direct = _loop(config, backends[0].url, concurrency)
-                cpu_before, answered_before = gateway.cpu_seconds(), gateway.requests_answered()
-                through = _loop(config, gateway.url, concurrency)
-                cpu_after, answered = gateway.cpu_seconds(), gateway.requests_answered() - answered_before
-                cpu_ms = None
-                if cpu_before is not None and cpu_after is not None and answered:
-                    cpu_ms = (cpu_after - cpu_before) / answered * 1000
-                runs[concurrency].append(OverheadRun(direct, through, cpu_ms))
+    with contextlib.ExitStack() as stack:
+        backends = stack.enter_context(instant_backends(1, log_dir))
+        gateways = {gateway_label(n): stack.enter_context(gateway_process(backends[0].url, log_dir, n))
+                    for n in config.workers}
+        peer_url = None
+        if config.peers:
+            env = peers.ensure_peers(config.venv_dir, {PEER.router: peers.PEER_VERSIONS[PEER.router]}, log=log,
+                                     install=config.install_peers)
+            if PEER.router in env.ready:
+                peer_url = stack.enter_context(router(PEER, backends, env, "", "", log_dir, "overhead"))
+            else:
+                log(f"{PEER.label}: unavailable: {env.unavailable.get(PEER.router)}")
+        steps = config.runs * len(config.concurrency) * (1 + len(gateways) + (peer_url is not None))
+        with tqdm(total=steps, desc="loops", unit="loop", file=sys.stderr, leave=False) as progress:
+            for _ in range(config.runs):
+                for concurrency in config.concurrency:
+                    direct = _loop(config, backends[0].url, concurrency)
+                    progress.update()
+                    routed = {}
+                    for label, gateway in gateways.items():
+                        routed[label] = _gateway_loop(config, gateway, concurrency)
+                        progress.update()
+                    if peer_url is not None:
+                        routed[PEER.label] = RoutedLoop(_loop(config, peer_url, concurrency))
+                        progress.update()
+                    runs[concurrency].append(OverheadRun(direct, routed))
     return [OverheadRow(concurrency, tuple(results)) for concurrency, results in runs.items()]
 
 
@@ -181,15 +276,20 @@ def _figure(value: float | None, digits: int = 3) -> str:
 
 
 def render(rows: Sequence[OverheadRow]) -> str:
-    headers = ["concurrency", "direct p50 ms", "direct p99 ms", "gateway p50 ms", "gateway p99 ms",
-               "added p50 ms", "added p99 ms", "direct req/s", "gateway req/s", "gateway CPU ms/req", "errors"]
-    table = [
-        [row.concurrency, _figure(row.latency_ms("direct", "p50")), _figure(row.latency_ms("direct", "p99")),
-         _figure(row.latency_ms("gateway", "p50")), _figure(row.latency_ms("gateway", "p99")),
-         _figure(row.added_ms("p50")), _figure(row.added_ms("p99")), _figure(row.requests_per_s("direct"), 0),
-         _figure(row.requests_per_s("gateway"), 0), _figure(row.gateway_cpu_ms_per_request), row.errors]
-        for row in rows
-    ]
+    headers = ["concurrency", "target", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "req/s",
+               f"req/s vs {PEER.label}", "CPU ms/req", "errors"]
+    table = []
+    for row in rows:
+        for label in [DIRECT, *row.labels]:
+            routed = label != DIRECT
+            table.append([
+                row.concurrency, label, _figure(row.latency_ms(label, "p50")), _figure(row.latency_ms(label, "p99")),
+                _figure(row.added_ms(label, "p50")) if routed else "(baseline)",
+                _figure(row.added_ms(label, "p99")) if routed else "",
+                _figure(row.requests_per_s(label), 0),
+                _figure(row.rate_ratio(label, PEER.label), 2) if routed else "",
+                _figure(row.cpu_ms_per_request(label)) if routed else "", row.errors(label),
+            ])
     return tabulate(table, headers=headers, tablefmt="github")
 
 
@@ -204,6 +304,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--runs", type=int, default=OverheadConfig.runs,
                         help="repeat every loop this many times and print medians (a shared machine's load moves)")
     parser.add_argument("--stream", action="store_true", help="streamed (SSE) completions instead of whole JSON")
+    parser.add_argument("--workers", default="1,2", help="comma-separated `kvgate serve --workers` counts (default 1,2)")
+    parser.add_argument("--no-peers", action="store_true", help="skip sglang-router cache_aware")
+    parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
+    parser.add_argument("--venv", type=Path, default=None, help=f"peers' virtualenv (default {peers.default_venv_dir()})")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     parser.add_argument("--log-dir", default="", help="keep process logs here (default: a temporary directory)")
     parser.set_defaults(func=run)
@@ -212,26 +316,28 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         concurrency = tuple(int(part) for part in args.concurrency.split(",") if part.strip())
+        workers = tuple(int(part) for part in args.workers.split(",") if part.strip())
     except ValueError:
-        print(f"kvgate bench overhead: --concurrency {args.concurrency!r}: expected integers like 1,32",
-              file=sys.stderr)
+        print("kvgate bench overhead: --concurrency and --workers take integers like 1,32", file=sys.stderr)
         return 2
-    if not concurrency or min(concurrency) < 1 or args.duration_s <= 0 or args.max_requests < 1 or args.runs < 1:
-        print("kvgate bench overhead: --concurrency, --duration-s, --max-requests and --runs must be positive",
-              file=sys.stderr)
+    if (not concurrency or min(concurrency) < 1 or not workers or min(workers) < 1 or args.duration_s <= 0
+            or args.max_requests < 1 or args.runs < 1):
+        print("kvgate bench overhead: --concurrency, --workers, --duration-s, --max-requests and --runs must be "
+              "positive", file=sys.stderr)
         return 2
-    config = OverheadConfig(concurrency, args.duration_s, args.max_requests, args.runs, args.stream)
+    config = OverheadConfig(concurrency, args.duration_s, args.max_requests, args.runs, args.stream, workers,
+                            peers=not args.no_peers, venv_dir=args.venv, install_peers=not args.no_install)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         log_dir = Path(args.log_dir) if args.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
-        rows = measure(config, log_dir)
+        rows = measure(config, log_dir, log=lambda message: print(message, file=sys.stderr))
     if args.json:
         print(json.dumps([_row_json(row) for row in rows], indent=2))
     else:
         kind = "streamed" if config.stream else "non-streaming"
-        print(f"~2 KB {kind} completion, instant backend, {config.duration_s:g} s per loop "
+        print(f"~2 KB {kind} completion on kvgate's cache-aware path, instant backend, {config.duration_s:g} s per loop "
               f"(at most {config.max_requests} requests), {config.runs} run(s), medians; "
               f"{time.monotonic() - started:.0f} s in all; 1-minute load average {load_before:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs\n")
@@ -242,13 +348,14 @@ def run(args: argparse.Namespace) -> int:
 def _row_json(row: OverheadRow) -> dict:
     return {
         "concurrency": row.concurrency,
-        "median": {"added_p50_ms": row.added_ms("p50"), "added_p99_ms": row.added_ms("p99"),
-                   "direct_requests_per_s": row.requests_per_s("direct"),
-                   "gateway_requests_per_s": row.requests_per_s("gateway"),
-                   "gateway_cpu_ms_per_request": row.gateway_cpu_ms_per_request},
-        "runs": [{"added_p50_ms": run.added_ms("p50"), "added_p99_ms": run.added_ms("p99"),
-                  "gateway_cpu_ms_per_request": run.gateway_cpu_ms_per_request,
-                  "direct": _summary(run.direct), "gateway": _summary(run.gateway)} for run in row.runs],
+        "median": {label: {"added_p50_ms": row.added_ms(label, "p50"), "added_p99_ms": row.added_ms(label, "p99"),
+                           "requests_per_s": row.requests_per_s(label),
+                           "requests_per_s_vs_peer": row.rate_ratio(label, PEER.label),
+                           "cpu_ms_per_request": row.cpu_ms_per_request(label)} for label in row.labels}
+        | {DIRECT: {"requests_per_s": row.requests_per_s(DIRECT)}},
+        "runs": [{"direct": _summary(run.direct),
+                  **{label: {**_summary(loop.result), "cpu_ms_per_request": loop.cpu_ms_per_request}
+                     for label, loop in run.routed.items()}} for run in row.runs],
     }
 
 

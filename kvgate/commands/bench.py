@@ -6,7 +6,9 @@ import importlib
 
 # benchmark -> module with `add_parser(subparsers)`.
 BENCHMARKS = {
+    "account-sync": "kvgate.bench.account_sync",
     "decision": "kvgate.bench.decision",
+    "hot-path": "kvgate.bench.hot_path",
     "kvs": "kvgate.bench.kvs_query",
     "overhead": "kvgate.bench.overhead",
     "replay": "kvgate.bench.replay",

@@ -23,8 +23,9 @@ from kvgate.demo.report import format_table
 from kvgate.demo.runner import run_demo, trace_requests
 from kvgate.demo.workload import ConversationWorkload, conversation_requests
 from kvgate.engine_model import ServiceProfile
-from kvgate.kvs_client.launch import MooncakeMasterProcess, ServiceStartError, start_mooncake_master
+from kvgate.kvs_client.launch import MooncakeMasterProcess, start_mooncake_master
 from kvgate.mock_engine.server import MockEngineConfig
+from kvgate.processes import ServiceStartError
 from kvgate.simulator.trace import TraceError
 
 # 128 blocks of 256 tokens (32K tokens) per engine: the bundled workload's 8 documents (~32K tokens)

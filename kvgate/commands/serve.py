@@ -56,12 +56,18 @@ def run(args: argparse.Namespace) -> int:
     if settings.debug_routes is DebugRoutes.ADMIN and not settings.admin_token:
         logging.getLogger(__name__).warning("--debug-routes admin without --admin-token: /metrics and "
                                             "/debug/schedule answer 404")
-    from kvgate.gateway.server import run_gateway
-
     if settings.access_log:
         from kvgate.gateway.access_log import configure_logger
 
         configure_logger()
+    from kvgate.workers.supervisor import available_cores, run_workers
+
+    workers = settings.workers or available_cores()
+    if workers > 1:
+        del tokenizer  # each worker loads its own
+        return run_workers(settings, workers, args.log_level)
+    from kvgate.gateway.server import run_gateway
+
     return run_gateway(settings, tokenizer)
 
 
@@ -80,6 +86,8 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
         f"  clients:     {_client_access(settings)}; debug routes {settings.debug_routes.value};"
         f" access log {'on' if settings.access_log else 'off'}",
         f"  instance networks: {','.join(settings.instance_networks) or 'any'}",
+        f"  workers:     {settings.workers or 'one per available core'}"
+        f", account sync {'on' if settings.account_sync else 'off'}",
         f"  instances:   {len(settings.instances)}",
     ]
     for instance in settings.instances:

@@ -27,6 +27,7 @@ from kvgate.config.loader import ConfigError, add_settings_arguments, load_setti
 from kvgate.config.settings import Settings
 from kvgate.scheduler.registry import POLICY_NAMES, check_settings
 from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS, STORE_MODELS
+from kvgate.simulator.replicas import GatewayReplicas, spread_bursts
 
 # Columns of the comparison table: (summary field, header, format).
 _COLUMNS = (
@@ -101,6 +102,19 @@ def add_parser(subparsers) -> None:
         " (host link for its own, network for others'); local: one free cache per instance, no sharing",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the scheduler's random choices")
+    parser.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=1,
+        help="N > 1: also replay through N gateway replicas taking the trace round-robin, blind to each "
+        "other and then synced every --account-sync-interval-s (docs/SCALEOUT.md)",
+    )
+    parser.add_argument(
+        "--spread-bursts",
+        action="store_true",
+        help="space requests recorded at one timestamp evenly until the next (the conversation trace "
+        "records 3 s bursts; see simulator/replicas.py)",
+    )
     # --- prefill/decode disaggregation (docs/PD.md) ---
     parser.add_argument("--prefill-instances", type=int, help="with --decode-instances: replay over a "
                         "disaggregated fleet, compared with as many neutral instances (TTFT and time between tokens)")
@@ -128,12 +142,14 @@ def run(args: argparse.Namespace) -> int:
         cli_values.setdefault("prfaas_cluster", "prfaas")
     try:
         policies = _policies(args)
-        if args.num_instances < 1 or (args.limit is not None and args.limit < 1):
-            raise ValueError("--instances and --limit must be >= 1")
+        if args.num_instances < 1 or args.gateway_replicas < 1 or (args.limit is not None and args.limit < 1):
+            raise ValueError("--instances, --gateway-replicas and --limit must be >= 1")
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
         check_settings(base)
         requests = _workload(args, read_trace)
+        if args.spread_bursts:
+            requests = spread_bursts(requests)
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
@@ -149,20 +165,22 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for policy in policies or [base.effective_policy]:
         settings = base.model_copy(update={"dispatch_policy": policy}) if policies else base
-        try:
-            results[policy] = simulate(
-                requests,
-                settings,
-                args.num_instances,
-                profile,
-                seed=args.seed,
-                show_progress=show_progress,
-                reference=reference,
-                store_model=args.store_model,
-            )
-        except ValueError as exc:
-            print(f"kvgate simulate: {exc}", file=sys.stderr)
-            return 2
+        for label, replicas in _gateways(policy, settings, args.gateway_replicas):
+            try:
+                results[label] = simulate(
+                    requests,
+                    settings,
+                    args.num_instances,
+                    profile,
+                    seed=args.seed,
+                    show_progress=show_progress,
+                    reference=reference,
+                    store_model=args.store_model,
+                    replicas=replicas,
+                )
+            except ValueError as exc:
+                print(f"kvgate simulate: {exc}", file=sys.stderr)
+                return 2
 
     header = {
         "trace": args.trace,
@@ -183,13 +201,27 @@ def run(args: argparse.Namespace) -> int:
         plot_ttft_cdfs({name: r.ttfts for name, r in results.items()}, args.plot, title)
     if args.json:
         summaries = {name: r.summary.to_dict() for name, r in results.items()}
-        body = {**header, "policies": summaries} if policies else {**header, **summaries.popitem()[1]}
+        several = policies or args.gateway_replicas > 1
+        body = {**header, "policies": summaries} if several else {**header, **summaries.popitem()[1]}
         sys.stdout.write(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
-    print(_report(header, [r.summary.to_dict() for r in results.values()]))
+    print(_report(header, [{**r.summary.to_dict(), "policy": name} for name, r in results.items()]))
     if args.plot:
         print(f"TTFT CDF written to {args.plot}")
     return 0
+
+
+def _gateways(policy: str, settings: Settings, replicas: int) -> list[tuple[str, GatewayReplicas | None]]:
+    """(label, replicas): one gateway; with N > 1 replicas also N blind ones and N synced ones."""
+    if replicas == 1:
+        return [(policy, None)]
+    staleness = settings.request_local_account_staleness_s
+    interval = settings.account_sync_interval_s
+    return [
+        (f"{policy}, 1 gateway", None),
+        (f"{policy}, {replicas} replicas blind", GatewayReplicas(replicas, staleness, None)),
+        (f"{policy}, {replicas} replicas synced {interval:g} s", GatewayReplicas(replicas, staleness, interval)),
+    ]
 
 
 # Columns of the PD comparison: (row field, header, format).

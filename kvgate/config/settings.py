@@ -234,6 +234,23 @@ class Settings(BaseModel):
         "alone it becomes a linear prefill curve.",
     )
 
+    # --- scale-out: worker processes and gateway replicas sharing one load account ---
+    workers: int = Field(
+        0, ge=0, description="Gateway processes sharing the port and one load account; 0 = one per available core."
+    )
+    workers_max_instances: int = Field(
+        2048, ge=1, description="Instances the workers' shared table can hold (admin adds beyond it get 409)."
+    )
+    account_sync: str = Field(
+        "", description="redis://host:port/db: replicas share their dispatch accounts through it; empty = off."
+    )
+    account_sync_interval_s: float = Field(
+        0.1, gt=0, description="How often a replica publishes its rows and folds in the others'."
+    )
+    account_sync_ttl_s: float = Field(
+        1.0, gt=0, description="A replica's published rows vanish this long after its last publication."
+    )
+
     # --- hardening: memory bounds, hung engines, bounded store answers (docs/OPERATIONS.md) ---
     tokenize_cache_bytes: int = Field(
         128 * 1024 * 1024, ge=0,
@@ -482,6 +499,14 @@ class Settings(BaseModel):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
         if duplicated:
             raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        return self
+
+    @model_validator(mode="after")
+    def _account_sync_url(self) -> Settings:
+        if self.account_sync and not self.account_sync.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("account_sync: expected a redis://, rediss:// or unix:// URL")
+        if self.account_sync and self.account_sync_ttl_s <= 2 * self.account_sync_interval_s:
+            raise ValueError("account_sync_ttl_s must exceed twice account_sync_interval_s")
         return self
 
     @model_validator(mode="after")

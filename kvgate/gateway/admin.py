@@ -18,7 +18,7 @@ from kvgate.config.instance_rules import check_url_in_networks, parse_networks
 from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.protocol import json_response
-from kvgate.gateway.registry import InstanceState, RegistryError
+from kvgate.gateway.registry import InstanceState, RegistryError, RegistryFull
 from kvgate.gateway.state import GATEWAY, Gateway
 
 
@@ -78,6 +78,8 @@ async def _add(request: web.Request) -> web.Response:
         raise APIError(400, f"invalid instance 'url': {exc}", param="url", code="instance_network_refused") from None
     try:
         state = gateway.registry.add(config)
+    except RegistryFull as exc:
+        raise APIError(409, str(exc), code="instance_table_full") from None
     except RegistryError as exc:
         raise APIError(409, str(exc), code="instance_exists") from None
     gateway.metrics.instance_healthy.labels(state.id).set(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -20,6 +20,7 @@ from kvgate.config.api_keys import load_api_keys
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, InstanceConfig, Settings
 from kvgate.gateway import access_log, admin, debug
+from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth import ClientAuth
 from kvgate.gateway.background import every
 from kvgate.gateway.client_timeout import body_timeout_middleware
@@ -45,6 +46,7 @@ from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.metrics.definitions import (
     GatewayMetrics,
+    account_sync_metrics,
     client_key_metrics,
     gateway_metrics,
     hit_metrics,
@@ -55,6 +57,9 @@ from kvgate.metrics.definitions import (
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
+
+if TYPE_CHECKING:
+    from kvgate.workers.worker import WorkerShare
 
 # How often stale dispatch entries are dropped from the account (its staleness is seconds) and
 # idle upstream connections past their keep-alive are closed.
@@ -68,14 +73,16 @@ def build_app(
     *,
     kvs_index: EmbeddedKVSIndex | None = None,
     tokenizer: Any = None,
+    shared: WorkerShare | None = None,
 ) -> web.Application:
     """The gateway application. `kvs_index` replaces the configured KV store by an in-process index;
-    `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos."""
+    `tokenizer` (a loaded Hugging Face tokenizer) saves loading one per gateway in tests and demos;
+    `shared` makes it one worker of several (registry and account rows in shared memory)."""
     check_pd_serving(settings.instances, settings.pd_protocol)
     prometheus = CollectorRegistry()
     metrics = gateway_metrics(prometheus)
     scheduler = Scheduler(settings, settings.instances)
-    account = LoadAccount(settings.request_local_account_staleness_s)
+    account = LoadAccount(settings.request_local_account_staleness_s, shared.rows if shared is not None else None)
     tokenizer_service = TokenizerService(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
         cache_bytes=settings.tokenize_cache_bytes,
@@ -87,7 +94,10 @@ def build_app(
         scheduler.set_instances(instances)
         prompt_limit.set_instances(instances)
 
-    registry = InstanceRegistry(settings.instances, on_change=instances_changed)
+    registry = (
+        shared.registry(on_change=instances_changed) if shared is not None
+        else InstanceRegistry(settings.instances, on_change=instances_changed)
+    )
     store_metrics = kvs_metrics(prometheus)
     kvs = (
         ResilientKVSClient(kvs_index, settings, store_metrics)
@@ -99,7 +109,7 @@ def build_app(
                            decode_ledger=decode_ledger)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
-                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger)
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared)
     if scheduler.prfaas is not None:
         gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
     for state in registry.states():
@@ -123,6 +133,8 @@ def build_app(
         debug.add_routes(app, guard)
     admin.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
+    if shared is not None:
+        app.on_response_prepare.append(shared.tag_response)
     return app
 
 
@@ -164,10 +176,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         upstream.close_idle()
 
     jobs: list[tuple[float, Callable[[], Awaitable[None]], str]] = [
-        (settings.health_check_interval_s, checker.check_all, "health checks"),
-        (settings.stats_poll_interval_s, poller.poll_all, "engine stats"),
         (_EXPIRY_INTERVAL_S, expire, "account expiry and idle connections"),
     ]
+    sync: AccountSync | None = None
+    # Probing engines and syncing replicas is done once per gateway: by its leader worker.
+    if gateway.shared is None or gateway.shared.leader:
+        jobs.append((settings.health_check_interval_s, checker.check_all, "health checks"))
+        jobs.append((settings.stats_poll_interval_s, poller.poll_all, "engine stats"))
+        if settings.account_sync:
+            sync = AccountSync(settings.account_sync, gateway.account.rows,  # type: ignore[arg-type]
+                               account_sync_metrics(gateway.prometheus), settings.account_sync_interval_s,
+                               settings.account_sync_ttl_s)
+            jobs.append((settings.account_sync_interval_s, sync.sync_once, "account sync"))
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
     try:
         yield
@@ -176,6 +196,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await session.close()
+        if sync is not None:
+            await sync.close()
         upstream.close()
         await gateway.kvs.close()
         gateway.tokenizer.close()
@@ -230,6 +252,12 @@ async def _livez(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[GATEWAY].prometheus)
+    gateway = request.app[GATEWAY]
+    if gateway.shared is not None:
+        from kvgate.workers.whole_metrics import whole_gateway_metrics
+
+        body = whole_gateway_metrics(gateway.shared, gateway.registry)
+    else:
+        body = generate_latest(gateway.prometheus)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

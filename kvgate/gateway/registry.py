@@ -52,6 +52,10 @@ class RegistryError(ValueError):
     """An admin change that cannot apply (unknown or duplicated id)."""
 
 
+class RegistryFull(RegistryError):
+    """No room for the instance in the workers' shared table (fixed slots of a fixed size)."""
+
+
 class InstanceRegistry:
     """Instance states by id, in configuration order (the scheduler's tie-breaks are deterministic)."""
 

@@ -8,8 +8,9 @@ import contextlib
 import gc
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -18,6 +19,9 @@ from kvgate.gateway.app import build_app
 from kvgate.gateway.drain import DRAIN, DrainReport
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
+
+if TYPE_CHECKING:
+    from kvgate.workers.worker import WorkerShare
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +49,21 @@ class GatewayHandle:
 
 
 async def start_gateway(
-    settings: Settings, *, kvs_index: EmbeddedKVSIndex | None = None, tokenizer: Any = None
+    settings: Settings,
+    *,
+    kvs_index: EmbeddedKVSIndex | None = None,
+    tokenizer: Any = None,
+    shared: WorkerShare | None = None,
 ) -> GatewayHandle:
-    """Serve a gateway on settings.host:settings.port (port 0 picks a free one; see handle.url)."""
-    app = build_app(settings, kvs_index=kvs_index, tokenizer=tokenizer)
+    """Serve a gateway on settings.host:settings.port (port 0 picks a free one; see handle.url).
+    A worker of several (`shared`) binds the port beside its peers (SO_REUSEPORT)."""
+    app = build_app(settings, kvs_index=kvs_index, tokenizer=tokenizer, shared=shared)
     # Handler cancellation: a client hang-up cancels its handler, which closes the upstream call.
     # keepalive_timeout is also the header-read timeout (gateway/client_timeout.py).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=settings.client_request_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
+    site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_port=shared is not None)
     try:
         await site.start()
     except OSError:
@@ -64,13 +73,21 @@ async def start_gateway(
     return GatewayHandle(f"http://{host}:{port}", app, runner)
 
 
-def run_gateway(settings: Settings, tokenizer: Any = None) -> int:
-    """Serve until SIGINT/SIGTERM, then drain (--shutdown-grace-s); uvloop when installed."""
+def run_gateway(
+    settings: Settings,
+    tokenizer: Any = None,
+    *,
+    shared: WorkerShare | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> int:
+    """Serve until SIGINT/SIGTERM, then drain (--shutdown-grace-s); uvloop when installed. A worker
+    passes its `shared` parts and is told `on_ready` once it listens."""
+    serve = _serve_forever(settings, tokenizer, shared, on_ready)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve_forever(settings, tokenizer))
-    return uvloop.run(_serve_forever(settings, tokenizer))
+        return asyncio.run(serve)
+    return uvloop.run(serve)
 
 
 def tune_gc() -> None:
@@ -85,17 +102,22 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
-async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
+async def _serve_forever(
+    settings: Settings, tokenizer: Any, shared: WorkerShare | None, on_ready: Callable[[], None] | None
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    handle = await start_gateway(settings, tokenizer=tokenizer)
+    handle = await start_gateway(settings, tokenizer=tokenizer, shared=shared)
     tune_gc()
     log.info("kvgate gateway listening on %s with %d instance(s), policy %s, event loop %s",
              handle.url, len(settings.instances), settings.effective_policy, type(loop).__module__)
-    print(f"kvgate gateway listening on {handle.url}", flush=True)
+    if on_ready is not None:
+        on_ready()
+    else:  # with workers, the supervisor says it once for all of them
+        print(f"kvgate gateway listening on {handle.url}", flush=True)
     try:
         await stop.wait()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,9 @@ from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
+
+if TYPE_CHECKING:
+    from kvgate.workers.worker import WorkerShare
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Gateway:
     started: int = field(default_factory=lambda: int(time.time()))
     # Set when the application starts (it needs the running loop's client session).
     forwarder: Forwarder | None = None
+    # One worker of several (`kvgate serve --workers N`): the memory it shares with the others.
+    shared: WorkerShare | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -7,116 +7,31 @@ tells an operator nothing.
 
 Free ports are picked by binding port 0 and releasing it; another process may grab the port
 in between, so a start that fails is retried on fresh ports a few times. Children die with
-their parent (see die_with_parent), so a killed test run or benchmark leaves no servers behind.
+their parent (kvgate.processes.die_with_parent), so a killed test run or benchmark leaves no
+servers behind. The binaries are looked for on PATH and beside the running Python's scripts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import signal
 import socket
-import subprocess
 import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-LOOPBACK = "127.0.0.1"
+from kvgate.processes import (
+    LOOPBACK,
+    LocalProcess,
+    ServiceStartError,
+    find_program,
+    free_port,
+    tcp_accepts,
+)
+
 _START_ATTEMPTS = 3
-_LOG_TAIL_BYTES = 4000
-
-
-class ServiceStartError(RuntimeError):
-    """A local service did not become ready; the message holds its log tail."""
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def tcp_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def die_with_parent(argv: list[str]) -> list[str]:
-    """Prefix argv so the child gets SIGKILL if this process dies without cleaning up.
-
-    `setpriv --pdeathsig` (util-linux) sets the parent-death signal, which survives the exec
-    into the real program. The signal fires when the *thread* that forked exits, so it is only
-    used from the main thread; elsewhere (and without setpriv) cleanup relies on stop().
-    """
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or threading.current_thread() is not threading.main_thread():
-        return argv
-    return [setpriv, "--pdeathsig", "KILL", "--", *argv]
-
-
-class LocalProcess:
-    """A child process with its output in a log file; stop() always reaps it."""
-
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.argv = argv
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            die_with_parent(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self) -> str:
-        try:
-            data = self.log_path.read_bytes()[-_LOG_TAIL_BYTES:]
-        except OSError:
-            return "<no log>"
-        return data.decode("utf-8", "replace")
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would; used by fault tests."""
-        if self.alive():
-            self.process.kill()
-        self.process.wait(timeout=10)
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        self._log.close()
-
-    def wait_ready(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ServiceStartError(
-                    f"{what} exited with code {self.process.returncode} during start-up "
-                    f"({' '.join(self.argv)}); log tail:\n{self.log_tail()}"
-                )
-            if ready():
-                return
-            time.sleep(0.05)
-        raise ServiceStartError(
-            f"{what} not ready after {timeout_s:.0f}s ({' '.join(self.argv)}); log tail:\n{self.log_tail()}"
-        )
 
 
 def _http_json_ok(url: str, predicate: Callable[[bytes], bool]) -> bool:
@@ -163,7 +78,7 @@ class MooncakeMasterProcess:
 
 
 def mooncake_master_binary() -> str | None:
-    return shutil.which("mooncake_master")
+    return find_program("mooncake_master")
 
 
 def _launch_mooncake_master(log_dir: Path, host: str, extra_args: list[str], timeout_s: float) -> MooncakeMasterProcess:
@@ -260,7 +175,7 @@ class RedisServerProcess:
 
 
 def redis_server_binary() -> str | None:
-    return shutil.which("redis-server")
+    return find_program("redis-server")
 
 
 def _redis_ping(host: str, port: int) -> bool:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvgate.kvs_client.launch import free_port
+from kvgate.processes import free_port
 
 # Mooncake status codes seen by callers (mooncake-store/include/types.h).
 OBJECT_NOT_FOUND = -704

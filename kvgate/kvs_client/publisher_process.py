@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvgate.kvs_client.launch import die_with_parent
 from kvgate.kvs_client.mooncake_store_publisher import MooncakeStoreError, MooncakeStorePublisher
+from kvgate.processes import die_with_parent
 
 
 class PublisherProcessError(RuntimeError):

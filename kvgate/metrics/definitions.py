@@ -166,6 +166,29 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
     )
 
 
+# --- scale-out: the account shared between gateway replicas ---
+
+
+@dataclass(frozen=True)
+class AccountSyncMetrics:
+    up: Gauge
+    replicas: Gauge
+    failures: Counter
+
+
+def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
+    # With several workers only the leader syncs: "livemax" reports its value, not one per process.
+    return AccountSyncMetrics(
+        up=Gauge("kvgate_account_sync_up",
+                 "1 while the account sync store answers, 0 while this replica counts only its own dispatches.",
+                 registry=registry, multiprocess_mode="livemax"),
+        replicas=Gauge("kvgate_account_sync_replicas", "Other gateway replicas whose rows were folded in last.",
+                       registry=registry, multiprocess_mode="livemax"),
+        failures=Counter("kvgate_account_sync_failures", "Account sync rounds that failed (store down or slow).",
+                         registry=registry),
+    )
+
+
 # --- client API keys (gateway/auth.py) ---
 @dataclass(frozen=True)
 class ClientKeyMetrics:

@@ -125,9 +125,55 @@ def cbor_seed_hash(seed: str) -> bytes:
 _CBOR_TOKENS_PER_ENCODE = 8192
 
 
+# Below this many tokens, joining cached per-token encodings beats numpy's fixed cost per call.
+_SMALL_PROMPT_TOKENS = 2048
+
+
+class _TokenEncodings(dict[int, bytes]):
+    """Token id -> its canonical CBOR encoding, filled on first use. Bounded: a vocabulary has at
+    most a few hundred thousand ids, but token ids come from clients."""
+
+    MAX_ENTRIES = 1 << 20
+
+    def __missing__(self, token: int) -> bytes:
+        if len(self) >= self.MAX_ENTRIES:
+            self.clear()
+        encoded = self[token] = cbor_head(0, token)
+        return encoded
+
+
+_TOKEN_ENCODINGS = _TokenEncodings()
+
+
+def _hash_small_sha256_cbor(
+    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool, seed: str
+) -> list[BlockHash]:
+    """hash_sha256_cbor for short prompts: each chunk's bytes are joined from cached per-token
+    encodings, the same bytes cbor_uints makes. ValueError for an id outside 0..2**64-1."""
+    encode = _TOKEN_ENCODINGS.__getitem__
+    full_list_head = cbor_head(4, chunk_size)
+    parent = cbor_seed_hash(seed)
+    out = []
+    for start, end in _chunk_bounds(len(token_ids), chunk_size, save_unfull_chunk):
+        full = end - start == chunk_size
+        digest = hashlib.sha256(_CBOR_TRIPLE_AND_BYTES32_HEAD)
+        digest.update(parent)
+        digest.update(full_list_head if full else cbor_head(4, end - start))
+        digest.update(b"".join(map(encode, token_ids[start:end])))
+        digest.update(_CBOR_NULL)
+        parent = digest.digest()
+        out.append(BlockHash(parent.hex(), end - start, full))
+    return out
+
+
 def hash_sha256_cbor(
     token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0"
 ) -> list[BlockHash]:
+    if len(token_ids) <= _SMALL_PROMPT_TOKENS:
+        try:
+            return _hash_small_sha256_cbor(token_ids, chunk_size, save_unfull_chunk, seed)
+        except ValueError:  # an id outside 0..2**64-1: cbor2 encodes any integer
+            return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed)
     tokens = _uint64_array(token_ids)
     if tokens is None:
         return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed)

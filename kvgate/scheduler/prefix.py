@@ -91,21 +91,22 @@ def prefix_hit_tokens(
     hits: dict[str, int] = {}
     covered = 0
     previous: Collection[str] | None = None
-    here: set[str] = set()
     for block, endpoints in zip(blocks, locations, strict=False):
-        if endpoints != previous:  # runs of blocks usually live on the same endpoints
+        # Runs of blocks usually live on the same endpoints: within a run the holders cannot change.
+        if endpoints != previous:
             here = set().union(*map(resolve, endpoints))
             previous = endpoints
-        if holding is None:
-            holding = set(here)
-        else:
-            for instance in holding - here:
-                hits[instance] = covered
-            holding &= here
-        if not holding:
-            break
+            if holding is None:
+                holding = set(here)
+            else:
+                for instance in holding - here:
+                    hits[instance] = covered
+                holding &= here
+            if not holding:
+                break
         covered += block.num_tokens
     for instance in holding or ():
         hits[instance] = covered
-    capped = {instance: min(tokens, num_prompt_tokens) for instance, tokens in hits.items()}
-    return {instance: tokens for instance, tokens in capped.items() if tokens > 0}
+    if num_prompt_tokens <= 0:
+        return {}
+    return {instance: min(tokens, num_prompt_tokens) for instance, tokens in hits.items() if tokens > 0}

@@ -67,7 +67,8 @@ class Decision:
     """The chosen instance and the full ranking (retries walk it in order)."""
 
     selected: str | None
-    ranking: tuple[str, ...]
+    # Best first. A sequence rather than a tuple: past the winner it is sorted only when read.
+    ranking: Sequence[str]
     # One per candidate, in ranking order. A sequence rather than a tuple so the selector can build
     # the entries only when read: most decisions read the winner's score alone.
     scores: Sequence[InstanceScore]

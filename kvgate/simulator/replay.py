@@ -45,6 +45,7 @@ from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, EngineStats
 from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
+from kvgate.simulator.replicas import GatewayReplicas
 from kvgate.simulator.report import HitRatioReference, SimulationSummary, SLOOutcome, summarise
 from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
 
@@ -95,6 +96,7 @@ class Replay:
         show_progress: bool = False,
         reference: HitRatioReference,
         store_model: str = "shared",
+        replicas: GatewayReplicas | None = None,
     ) -> None:
         if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
             raise ValueError(
@@ -109,7 +111,9 @@ class Replay:
         self._show_progress = show_progress
         configs = simulated_instances(num_instances)
         self.scheduler = Scheduler(settings, configs, rng=random.Random(seed))
-        self.account = LoadAccount(settings.request_local_account_staleness_s)
+        # One gateway, or several replicas each with its own account (simulator/replicas.py).
+        self._replicas = replicas
+        self.account: LoadAccount | GatewayReplicas = replicas or LoadAccount(settings.request_local_account_staleness_s)
         self.index = EmbeddedKVSIndex()
         self.store = self._shared_store(store_model, profile, settings, len(configs))
         if self.store is not None:
@@ -243,6 +247,8 @@ class Replay:
         # Engines cache and publish under the store key names the gateway looks up.
         keys = scheduler.block_keys(blocks)
         locations = [self.index.holders(key) for key in keys] if scheduler.wants_kvs(n) else None
+        if self._replicas is not None:
+            self._replicas.sync_until(now)  # the account syncs due before this decision
         candidates = [
             Candidate(inst.config.id, inst.config.role, account.load(inst.config.id))
             for inst in self.instances
@@ -374,8 +380,10 @@ def simulate(
     show_progress: bool = False,
     reference: HitRatioReference | None = None,
     store_model: str = "shared",
+    replicas: GatewayReplicas | None = None,
 ) -> SimulationResult:
-    """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines."""
+    """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines,
+    through one gateway or through `replicas`."""
     replay = Replay(
         requests,
         settings,
@@ -385,5 +393,6 @@ def simulate(
         show_progress=show_progress,
         reference=reference or hit_ratio_reference(requests, num_instances * profile.cache_capacity_blocks),
         store_model=store_model,
+        replicas=replicas,
     )
     return replay.run()

@@ -1,0 +1,74 @@
+"""One worker process of `kvgate serve --workers N`: a whole gateway over the shared table."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event
+
+from aiohttp import web
+
+from kvgate.config.settings import Settings
+from kvgate.workers.shared_registry import SharedRegistry
+from kvgate.workers.shared_rows import SharedRows
+from kvgate.workers.shared_table import SharedTable
+
+WORKER_HEADER = "X-Kvgate-Worker"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the supervisor tells a worker (picklable: workers are spawned, not forked)."""
+
+    index: int
+    table_path: str
+    lock_path: str
+    metrics_dir: str
+    log_level: str
+
+
+@dataclass
+class WorkerShare:
+    """What a worker's gateway shares with the others; `build_app` takes it instead of local parts."""
+
+    spec: WorkerSpec
+    table: SharedTable
+    rows: SharedRows
+
+    def __post_init__(self) -> None:
+        self._tag = f"{self.spec.index}:{os.getpid()}"
+
+    @property
+    def leader(self) -> bool:
+        """The one worker that runs health checks, engine-stats scraping and the account sync."""
+        return self.rows.leader
+
+    def registry(self, on_change) -> SharedRegistry:
+        return SharedRegistry(self.table, on_change)
+
+    async def tag_response(self, _request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer names the worker that gave it ("<index>:<pid>"), for operators and tests."""
+        response.headers[WORKER_HEADER] = self._tag
+
+
+def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
+    """The spawned process's target: load the tokenizer, attach the table, serve until SIGTERM."""
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s %(levelname)s worker-{spec.index} %(name)s: %(message)s")
+    from kvgate.gateway.server import run_gateway
+    from kvgate.gateway.tokenizer import load_tokenizer
+
+    if settings.access_log:
+        from kvgate.gateway.access_log import configure_logger
+
+        configure_logger()
+    tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
+    table = SharedTable.attach(spec.table_path, spec.lock_path)
+    share = WorkerShare(spec, table, SharedRows(table, writer=spec.index, leader=spec.index == 0))
+    try:
+        code = run_gateway(settings, tokenizer, shared=share, on_ready=ready.set)
+    finally:
+        table.close()
+    sys.exit(code)
