@@ -100,7 +100,9 @@ def add_parser(subparsers) -> None:
                         help="with --prfaas: KV bytes per prompt token (what crosses the link)")
     parser.add_argument("--prfaas-threshold-tokens", type=int, default=4096,
                         help="with --prfaas: prompts with more uncached tokens than this are prefilled remotely")
-    parser.add_argument("--prfaas-bandwidth-mode", choices=("auto", "scarce", "abundant"), default="auto",
+    # Mock engines load no prefix from another engine: a prefix "shipped" under an abundant link
+    # would be recomputed, so the demo defaults to scarce, where no decision relies on shipping.
+    parser.add_argument("--prfaas-bandwidth-mode", choices=("auto", "scarce", "abundant"), default="scarce",
                         help="with --prfaas: how cached prefixes in the two clusters are weighed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)

@@ -29,7 +29,7 @@ class PrfaasDemo:
     egress_gbps: float
     kv_bytes_per_token: float
     threshold_tokens: int
-    bandwidth_mode: str = "auto"
+    bandwidth_mode: str = "scarce"
 
     def spec(self, local: FleetSpec) -> FleetSpec:
         link_tokens_per_s = self.egress_gbps * 1e9 / 8 / self.kv_bytes_per_token
