@@ -281,3 +281,29 @@ def test_prfaas_settings_from_a_yaml_file(tmp_path):
     settings = load_settings({}, config_path=str(path), environ={})
     assert [inst.cluster for inst in settings.instances] == ["h200", "local"]
     assert PrfaasRouter(settings).kv_size.bytes(32768) == int(701.3 * MIB)
+
+
+def test_only_models_with_a_prfaas_cluster_take_the_cluster_rule():
+    from kvgate.config.settings import InstanceRole
+    from kvgate.scheduler.router import Scheduler
+    from kvgate.scheduler.types import Candidate, InstanceLoad
+
+    def inst(id_: str, model: str, role: str, cluster: str = "local") -> InstanceConfig:
+        return InstanceConfig(id=id_, url=f"http://127.0.0.1:{8000 + len(id_)}", model=model, role=role,
+                              cluster=cluster)
+
+    instances = [inst("p", "a", "prefill"), inst("d", "a", "decode"), inst("r", "a", "prefill", "remote"),
+                 inst("p2", "b", "prefill"), inst("d2", "b", "decode")]
+    scheduler = Scheduler(_settings(pd_protocol="vllm", instances=instances), instances)
+
+    def decide(prefill: list[str], decode: str):
+        candidates = [Candidate(i, InstanceRole.PREFILL, InstanceLoad()) for i in prefill]
+        return scheduler.decide_pd(40000, [], None, candidates, [Candidate(decode, InstanceRole.DECODE,
+                                                                           InstanceLoad())], {}, now=0.0)
+
+    served_a = decide(["p", "r"], "d")
+    assert served_a.cluster is not None and served_a.cluster.cluster == "remote"
+    assert served_a.prefill.ranking == ("r",)
+    served_b = decide(["p2"], "d2")  # model b has no PrfaaS instance: plain PD, no cluster decision
+    assert served_b.cluster is None and served_b.prefill.ranking == ("p2",)
+    assert scheduler.prfaas is not None and scheduler.prfaas.offload_fraction(0.0) == 1.0  # b was not counted

@@ -33,7 +33,7 @@ class Scheduler:
         self.ttft = TTFTModel(TTFTProfile.from_settings(settings), settings.ttft_calibration)
         self.rejection = RejectionFilter(settings.early_rejection, settings.ttft_slo_s, settings.tbt_slo_s)
         self._instance_ids = {instance.id for instance in instances}
-        self._cluster_of = {instance.id: instance.cluster for instance in instances}
+        self._set_clusters(instances)
         self._decode = DecodeChooser()
         # Which cluster prefills each disaggregated request, when a PrfaaS cluster is configured.
         self.prfaas = PrfaasRouter(settings) if settings.prfaas_cluster else None
@@ -127,7 +127,7 @@ class Scheduler:
         cluster rule (scheduler/prfaas.py) first narrows the prefill instances to one cluster;
         `now` is its clock, and `dry_run` (the debug route) leaves its state alone."""
         cluster = None
-        if self.prfaas is not None:
+        if self.prfaas is not None and self._has_prfaas_cluster(decode_candidates):
             cluster, prefill_candidates = self._prefill_cluster(num_prompt_tokens, blocks, locations,
                                                                 prefill_candidates, now, dry_run)
         prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates,
@@ -143,6 +143,17 @@ class Scheduler:
         # An offloaded prompt is long by the rule's own measure: it is never computed by a decode instance.
         skip = bool(threshold) and miss <= threshold and not (cluster is not None and cluster.offloaded)
         return PDDecision(prefill, decode, skip_prefill=skip, decode_miss_tokens=miss, cluster=cluster)
+
+    def _set_clusters(self, instances: Sequence[InstanceConfig]) -> None:
+        self._cluster_of = {instance.id: instance.cluster for instance in instances}
+        self._model_of = {instance.id: instance.model for instance in instances}
+        # Models with an instance configured in the PrfaaS cluster: only these take the cluster rule.
+        cluster = self._settings.prfaas_cluster
+        self._prfaas_models = {instance.model for instance in instances if cluster and instance.cluster == cluster}
+
+    def _has_prfaas_cluster(self, decode_candidates: Sequence[Candidate]) -> bool:
+        # Every candidate serves the request's model; a decode instance is always local, so it names it.
+        return any(self._model_of.get(c.id) in self._prfaas_models for c in decode_candidates[:1])
 
     def _prefill_cluster(
         self,
@@ -165,6 +176,6 @@ class Scheduler:
         """Instances added or removed at run time: their store endpoints change with them."""
         self.endpoint_map = EndpointMap.from_instances(instances)
         ids = {instance.id for instance in instances}
-        self._cluster_of = {instance.id: instance.cluster for instance in instances}
+        self._set_clusters(instances)
         self.ttft.forget(sorted(self._instance_ids - ids))
         self._instance_ids = ids
