@@ -232,3 +232,15 @@ def test_prfaas_instances_must_prefill():
             InstanceConfig(id="d", url="http://127.0.0.1:2", model=MODEL, role="decode", cluster="remote")])
 
 
+
+
+@pytest.mark.parametrize("flags", [
+    ["--role", "decode", "--pd-protocol", "vllm", "--egress-tokens-per-s", "1000"],
+    ["--role", "prefill", "--pd-protocol", "vllm", "--egress-tokens-per-s", "0"],
+    ["--egress-tokens-per-s", "1000"],
+])
+def test_the_mock_egress_link_belongs_to_a_prefill_engine(flags, capsys):
+    from kvgate.cli import main
+
+    assert main(["mock-engine", "--port", "0", *flags, "--check"]) == 2
+    assert "--egress-tokens-per-s" in capsys.readouterr().err
