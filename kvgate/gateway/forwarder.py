@@ -22,7 +22,6 @@ Rules, in the order a request meets them:
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +47,7 @@ from kvgate.gateway.relay import (
     RetryableFailure,
     describe,
     relay_answer,
+    unavailable,
 )
 from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
@@ -56,8 +56,6 @@ from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
-
-log = logging.getLogger(__name__)
 
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
@@ -155,9 +153,7 @@ class Forwarder:
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
-        log.warning("request %s: no instance could answer: %s", request_id, "; ".join(failures))
-        raise APIError(502, f"no instance could answer the request (request id {request_id}; the gateway log "
-                            "has the details)", code="upstream_unavailable")
+        raise unavailable(request_id, failures)
 
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
         """The body for the engine, and whether it asks for usage the client did not ask for."""

@@ -34,7 +34,7 @@ from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry, InstanceState
-from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe
+from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe, unavailable
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.metrics.definitions import GatewayMetrics
@@ -148,8 +148,7 @@ class PDForwarder:
         if not failures:
             raise APIError(503, f"no healthy prefill and decode instance serves '{parsed.model}'",
                            code="no_healthy_instance")
-        raise APIError(502, "no prefill/decode pair could answer: " + "; ".join(failures),
-                       code="upstream_unavailable")
+        raise unavailable(request_id, failures, "prefill/decode pair")
 
     async def _decode_only(self, request: web.Request, key: str, decode: InstanceState, path: str,
                            payload: bytes, headers: str, request_id: str, arrived: float,
