@@ -396,3 +396,24 @@ async def test_a_502_hides_the_prefill_engines_body_from_the_client_and_logs_it(
         await gateway.close()
         await leaky.close()
         await decode.close()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_the_prefill_answer_calibrates_the_ttft_model_of_the_prefill_instance(protocol):
+    bootstrap = free_port() if protocol == "sglang" else None
+    prefill, decode = await engine("prefill", protocol, bootstrap), await engine("decode", protocol)
+    gateway = await start_gateway(
+        settings(protocol, [instance("p0", prefill.url, "prefill", bootstrap), instance("d0", decode.url, "decode")],
+                 dispatch_policy="conductor", cache_aware_scheduling_min_tokens=0),
+        tokenizer=tokenizer())
+    try:
+        await client(gateway.url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        # The conductor predicted the prefill instance's TTFT; its answer's arrival measured it.
+        await wait_until(lambda: counter_value(gateway, "kvgate_ttft_prediction_error_seconds_count") == 1)
+        assert counter_value(gateway, "kvgate_ttft_calibration_observations", instance="p0") == 1
+        assert not counter_value(gateway, "kvgate_ttft_calibration_observations", instance="d0")
+        await assert_nothing_in_flight(gateway)
+    finally:
+        await gateway.close()
+        for handle in (prefill, decode):
+            await handle.close()

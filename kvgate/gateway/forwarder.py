@@ -92,7 +92,7 @@ class Forwarder:
         self._pd = PDForwarder(
             upstream, make_handoff(settings.pd_protocol), registry, tracker,
             decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
-            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, prfaas,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, self._ttft_dispatched, prfaas,
         ) if settings.pd_protocol is not None else None
 
     async def forward(
@@ -126,8 +126,7 @@ class Forwarder:
             # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
             prompts = len(parsed.batch) if parsed.batch is not None else 1
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
-            on_first_byte = (self._ttft_feedback.dispatched(plan, instance_id, parsed.max_tokens)
-                             if self._ttft_feedback is not None else None)
+            on_first_byte = self._ttft_dispatched(plan, instance_id, parsed.max_tokens)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
             tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
@@ -244,6 +243,13 @@ class Forwarder:
         if on_first_byte is not None:
             on_first_byte()
         self._metrics.ttft_seconds.observe(time.perf_counter() - arrived)
+
+    def _ttft_dispatched(self, plan: RoutePlan, instance_id: str, max_tokens: int | None) -> Callable[[], None]:
+        """Tell the TTFT model an attempt left for `instance_id`; returns what to call when the
+        instance's prefill is done (its first byte), which calibrates the model."""
+        if self._ttft_feedback is None:
+            return lambda: None
+        return self._ttft_feedback.dispatched(plan, instance_id, max_tokens)
 
     def _observe_hit_ratio(self, plan: RoutePlan, instance_id: str) -> None:
         score = plan.score(instance_id)

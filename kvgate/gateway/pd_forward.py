@@ -47,6 +47,9 @@ RelayFrom = Callable[..., Awaitable[web.StreamResponse]]
 # (parsed, plan, prefill instance id, its JSON answer, request id): the prefill instance's usage
 # reports the cached tokens it found, which the hit accounting compares with the prediction.
 RecordPrefillHit = Callable[[ParsedRequest, RoutePlan, str, bytes, str], None]
+# (plan, prefill instance id, max_tokens) -> what to call when its prefill is done: the TTFT model
+# predicted that instance's queue + prefill + transfer, so its answer's arrival calibrates it.
+TTFTDispatched = Callable[[RoutePlan, str, int | None], Callable[[], None]]
 
 
 class PairFailure(Exception):
@@ -76,6 +79,7 @@ class PDForwarder:
         relay_decode: RelayFrom,
         observe_hit_ratio: Callable[[RoutePlan, str], None],
         record_prefill_hit: RecordPrefillHit,
+        ttft_dispatched: TTFTDispatched,
         prfaas: PrfaasLink | None = None,
     ) -> None:
         self._upstream = upstream
@@ -90,6 +94,7 @@ class PDForwarder:
         self._relay_decode = relay_decode
         self._observe_hit_ratio = observe_hit_ratio
         self._record_prefill_hit = record_prefill_hit
+        self._ttft_dispatched = ttft_dispatched
         self._prfaas = prfaas
         self._sequence = itertools.count()
 
@@ -170,7 +175,8 @@ class PDForwarder:
         prefill_key = key + "/prefill"
         self._tracker.dispatch(prefill_key, prefill.id, plan.miss_tokens(prefill.id))
         prefill_task = asyncio.create_task(
-            self._prefill(prefill_key, prefill, path, orjson.dumps(exchange.prefill_body), headers))
+            self._prefill(prefill_key, prefill, path, orjson.dumps(exchange.prefill_body), headers,
+                          self._ttft_dispatched(plan, prefill.id, parsed.max_tokens)))
         decode_key = key + "/decode"
         cluster, prfaas = plan.pd.cluster if plan.pd is not None else None, self._prfaas
 
@@ -236,7 +242,7 @@ class PDForwarder:
             await asyncio.gather(decode_task, return_exceptions=True)
 
     async def _prefill(self, key: str, prefill: InstanceState, path: str, payload: bytes,
-                       headers: str) -> _PrefillAnswer:
+                       headers: str, prefill_done: Callable[[], None]) -> _PrefillAnswer:
         """The prefill instance's whole answer; its part is done (account released) once read."""
         try:
             upstream = await self._upstream.post(prefill.config.url, path, headers, payload)
@@ -246,6 +252,8 @@ class PDForwarder:
             body = await upstream.read()
             if upstream.status >= 500:
                 raise PairFailure("prefill", f"HTTP {upstream.status}: {body[:300].decode('utf-8', 'replace')}")
+            if upstream.status == 200:
+                prefill_done()
             return _PrefillAnswer(upstream.status, body, upstream.content_type or "application/json")
         except UPSTREAM_ERRORS as exc:
             raise PairFailure("prefill", describe(exc)) from None
