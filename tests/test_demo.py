@@ -142,3 +142,26 @@ async def test_fleet_routes_on_blocks_the_mooncake_master_reports(mooncake_maste
                 assert await _master_holds(session, mooncake_master.admin_url, keys)
     # Published from 127.0.0.2-4, seen through the master, mapped back to the engine: every repeat hits.
     assert cached[0] == 0 and cached[1:] == [11 * 256] * 3
+
+
+async def test_demo_prfaas_compares_local_pd_with_a_remote_prefill_cluster(tokenizer):
+    from kvgate.config.settings import PDProtocol
+    from kvgate.demo.prfaas import PrfaasDemo, run_prfaas_demo
+
+    workload = ConversationWorkload(num_requests=12, duration_s=0.5, num_documents=3, document_tokens=(600, 4000),
+                                    output_tokens=(2, 4), think_time_s=(0.1, 0.2), turns=(1, 3))
+    local = FleetSpec(2, MockEngineConfig(time_scale=0.02), pd_protocol=PDProtocol.VLLM)
+    runs = await run_prfaas_demo(local, PrfaasDemo(1, 10.0, 65536.0, 2400), conversation_requests(workload),
+                                 tokenizer, progress=False)
+    assert [run.policy for run in runs] == ["local PD 1P+1D", "PrfaaS +1 remote"]
+    assert all(run.summary.completed == 12 and not run.summary.errors for run in runs)
+    sent, total = (int(n) for n in runs[1].gateway["prefilled in the PrfaaS cluster"].split(" / "))
+    assert total == 12 and 0 < sent < 12  # prompts of 2.1K-2.9K tokens: some cross, some stay
+    table = format_table(runs)
+    assert "prefilled in the PrfaaS cluster" in table and "KV sent over the link" in table
+    assert runs[0].gateway == {}
+
+
+def test_demo_prfaas_refuses_bad_arguments(capsys):
+    assert main(["demo", "--prfaas", "--prfaas-engines", "0", "--no-progress"]) == 2
+    assert "--prfaas-engines" in capsys.readouterr().err

@@ -147,7 +147,7 @@ async def test_502_hides_the_engine_body_from_the_client_and_logs_it(opened, cap
     leaky = await ScriptedUpstream("leaky", Script(status=500)).start()
     opened.append(leaky)
     gateway = await start(opened, {"leaky": leaky.url})
-    with caplog.at_level(logging.WARNING, logger="kvgate.gateway.forwarder"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.gateway.relay"):
         async with aiohttp.ClientSession() as session, session.post(
                 gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "p"},
                 headers={"X-Request-Id": "req-42"}) as response:

@@ -3,6 +3,7 @@ that implement SGLang's and vLLM's hand-offs over real HTTP, driven by the offic
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import aiohttp
@@ -22,6 +23,7 @@ from tests.gateway_helpers import (
     tokenizer,
     wait_until,
 )
+from tests.scripted_upstream import Script, ScriptedUpstream
 
 MODEL = MockEngineConfig().model
 CHAT = [{"role": "user", "content": "Name three rivers."}]
@@ -371,3 +373,47 @@ async def test_the_prefill_answer_feeds_the_hit_accounting():
         if line.startswith("kvgate_predicted_cached_tokens_total{"):
             predicted += float(line.rsplit(" ", 1)[1])
     assert reported == predicted == len(prompt) // 256 * 256
+
+
+async def test_a_502_hides_the_prefill_engines_body_from_the_client_and_logs_it(caplog):
+    leaky = await ScriptedUpstream("leaky", Script(status=500)).start()
+    decode = await engine("decode", "vllm")
+    gateway = await start_gateway(
+        settings("vllm", [instance("p-leaky", leaky.url, "prefill"), instance("d0", decode.url, "decode")]),
+        tokenizer=tokenizer())
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvgate.gateway.relay"):
+            async with aiohttp.ClientSession() as session, session.post(
+                    gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
+                    headers={"X-Request-Id": "pd-req-7"}) as response:
+                status, body = response.status, await response.json()
+        assert status == 502 and body["error"]["code"] == "upstream_unavailable"
+        assert "leaky says 500" not in body["error"]["message"] and "pd-req-7" in body["error"]["message"]
+        assert any("pd-req-7" in r.getMessage() and "leaky says 500" in r.getMessage() for r in caplog.records)
+        assert not decode.engine.received  # the hand-off never reached the decode engine
+        await assert_nothing_in_flight(gateway)
+    finally:
+        await gateway.close()
+        await leaky.close()
+        await decode.close()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_the_prefill_answer_calibrates_the_ttft_model_of_the_prefill_instance(protocol):
+    bootstrap = free_port() if protocol == "sglang" else None
+    prefill, decode = await engine("prefill", protocol, bootstrap), await engine("decode", protocol)
+    gateway = await start_gateway(
+        settings(protocol, [instance("p0", prefill.url, "prefill", bootstrap), instance("d0", decode.url, "decode")],
+                 dispatch_policy="conductor", cache_aware_scheduling_min_tokens=0),
+        tokenizer=tokenizer())
+    try:
+        await client(gateway.url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        # The conductor predicted the prefill instance's TTFT; its answer's arrival measured it.
+        await wait_until(lambda: counter_value(gateway, "kvgate_ttft_prediction_error_seconds_count") == 1)
+        assert counter_value(gateway, "kvgate_ttft_calibration_observations", instance="p0") == 1
+        assert not counter_value(gateway, "kvgate_ttft_calibration_observations", instance="d0")
+        await assert_nothing_in_flight(gateway)
+    finally:
+        await gateway.close()
+        for handle in (prefill, decode):
+            await handle.close()

@@ -86,6 +86,49 @@ def test_no_prfaas_instance_keeps_everything_local_with_the_local_prefix():
     assert "no PrfaaS instance up" in decision.reason
 
 
+def test_no_local_prefill_instance_sends_everything_remote_with_the_remote_prefix():
+    router = PrfaasRouter(_settings(prfaas_bandwidth_mode="scarce"))
+    decision = router.decide(PrfaasRequest(1000, 512, 768), 0.0, CALM, local_available=False)
+    assert (decision.cluster, decision.prefix_tokens, decision.egress_bytes) == ("remote", 768, 1000 * KV_PER_TOKEN)
+    assert "no local prefill instance up" in decision.reason
+
+
+def test_the_naive_rule_judges_total_length_whatever_is_cached():
+    naive = PrfaasRouter(_settings(prfaas_bandwidth_mode="scarce"), judge_cached_prefix=False)
+    rule = PrfaasRouter(_settings(prfaas_bandwidth_mode="scarce"))
+    request = PrfaasRequest(40000, 39000, 0)  # long, but almost all cached locally
+    assert rule.decide(request, 0.0, CALM).cluster == "local"
+    decision = naive.decide(request, 0.0, CALM)
+    assert decision.cluster == "remote" and decision.incremental_tokens == 40000
+
+
+def test_a_dry_run_neither_adapts_nor_counts():
+    router = PrfaasRouter(_settings(prfaas_adapt_interval_s=0.001))
+    router.record_egress(0.0, 10**10)  # far beyond the link's capacity over the window
+    for now in (1.0, 2.0):
+        router.decide(PrfaasRequest(40000, 0, 0), now, CALM, dry_run=True)
+    assert router.controller.threshold == 8192 and router.offload_fraction(2.0) == 0.0
+    router.decide(PrfaasRequest(40000, 0, 0), 3.0, CALM)
+    assert router.controller.threshold == 16384 and router.offload_fraction(3.0) == 1.0
+
+
+def test_cluster_view_groups_hits_and_queues_by_cluster():
+    from kvgate.config.settings import InstanceRole
+    from kvgate.scheduler.prfaas import cluster_view
+    from kvgate.scheduler.types import Candidate, InstanceLoad
+
+    def candidate(id_: str, queued: int) -> Candidate:
+        return Candidate(id_, InstanceRole.PREFILL, InstanceLoad(all_prefills_tokens_num=queued))
+
+    view = cluster_view(5000, [candidate("p0", 100), candidate("p1", 300), candidate("r0", 900)],
+                        {"p0": 512, "d0": 2048, "r0": 1024}, {"p0": "local", "p1": "local", "r0": "remote",
+                                                              "d0": "local"}, "remote")
+    assert [c.id for c in view.local] == ["p0", "p1"] and [c.id for c in view.prfaas] == ["r0"]
+    # Any local instance's prefix counts (the store serves it within the cluster), decode ones too.
+    assert view.request == PrfaasRequest(5000, 2048, 1024)
+    assert view.queues == PrefillQueues(200.0, 900.0)
+
+
 def test_auto_mode_turns_scarce_when_the_link_fills():
     router = PrfaasRouter(_settings())  # auto, abundant below 50%
     request = PrfaasRequest(20000, 4096, 16384)
@@ -238,3 +281,29 @@ def test_prfaas_settings_from_a_yaml_file(tmp_path):
     settings = load_settings({}, config_path=str(path), environ={})
     assert [inst.cluster for inst in settings.instances] == ["h200", "local"]
     assert PrfaasRouter(settings).kv_size.bytes(32768) == int(701.3 * MIB)
+
+
+def test_only_models_with_a_prfaas_cluster_take_the_cluster_rule():
+    from kvgate.config.settings import InstanceRole
+    from kvgate.scheduler.router import Scheduler
+    from kvgate.scheduler.types import Candidate, InstanceLoad
+
+    def inst(id_: str, model: str, role: str, cluster: str = "local") -> InstanceConfig:
+        return InstanceConfig(id=id_, url=f"http://127.0.0.1:{8000 + len(id_)}", model=model, role=role,
+                              cluster=cluster)
+
+    instances = [inst("p", "a", "prefill"), inst("d", "a", "decode"), inst("r", "a", "prefill", "remote"),
+                 inst("p2", "b", "prefill"), inst("d2", "b", "decode")]
+    scheduler = Scheduler(_settings(pd_protocol="vllm", instances=instances), instances)
+
+    def decide(prefill: list[str], decode: str):
+        candidates = [Candidate(i, InstanceRole.PREFILL, InstanceLoad()) for i in prefill]
+        return scheduler.decide_pd(40000, [], None, candidates, [Candidate(decode, InstanceRole.DECODE,
+                                                                           InstanceLoad())], {}, now=0.0)
+
+    served_a = decide(["p", "r"], "d")
+    assert served_a.cluster is not None and served_a.cluster.cluster == "remote"
+    assert served_a.prefill.ranking == ("r",)
+    served_b = decide(["p2"], "d2")  # model b has no PrfaaS instance: plain PD, no cluster decision
+    assert served_b.cluster is None and served_b.prefill.ranking == ("p2",)
+    assert scheduler.prfaas is not None and scheduler.prfaas.offload_fraction(0.0) == 1.0  # b was not counted

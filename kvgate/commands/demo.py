@@ -18,6 +18,7 @@ from kvgate.bench.loadgen import run_async
 from kvgate.bench.workload import ReplayRequest
 from kvgate.config.settings import PDProtocol, Settings
 from kvgate.demo.fleet import FleetSpec
+from kvgate.demo.prfaas import PrfaasDemo, run_prfaas_demo
 from kvgate.demo.report import format_table
 from kvgate.demo.runner import run_demo, trace_requests
 from kvgate.demo.workload import ConversationWorkload, conversation_requests
@@ -89,6 +90,20 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--pd-protocol", choices=("sglang", "vllm"), default="vllm",
                         help="with --pd: the hand-off the engines and the gateway speak")
+    parser.add_argument("--prfaas", action="store_true",
+                        help="local PD (--engines) vs the same plus a remote Prefill-as-a-Service cluster of "
+                        "--prfaas-engines prefill engines behind a modelled link (implies --pd)")
+    parser.add_argument("--prfaas-engines", type=int, default=2, help="with --prfaas: remote prefill engines")
+    parser.add_argument("--prfaas-egress-gbps", type=float, default=10.0,
+                        help="with --prfaas: the link from the remote cluster, shared by its engines")
+    parser.add_argument("--prfaas-kv-bytes-per-token", type=float, default=65536.0,
+                        help="with --prfaas: KV bytes per prompt token (what crosses the link)")
+    parser.add_argument("--prfaas-threshold-tokens", type=int, default=4096,
+                        help="with --prfaas: prompts with more uncached tokens than this are prefilled remotely")
+    # Mock engines load no prefix from another engine: a prefix "shipped" under an abundant link
+    # would be recomputed, so the demo defaults to scarce, where no decision relies on shipping.
+    parser.add_argument("--prfaas-bandwidth-mode", choices=("auto", "scarce", "abundant"), default="scarce",
+                        help="with --prfaas: how cached prefixes in the two clusters are weighed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
@@ -109,7 +124,7 @@ def _fleet(args: argparse.Namespace, master: MooncakeMasterProcess | None) -> Fl
         profile=ServiceProfile(cache_capacity_blocks=capacity),
         settings=Settings(),
     )
-    return FleetSpec(args.engines, engine, master, PDProtocol(args.pd_protocol) if args.pd else None)
+    return FleetSpec(args.engines, engine, master, PDProtocol(args.pd_protocol) if args.pd or args.prfaas else None)
 
 
 @contextlib.contextmanager
@@ -127,8 +142,13 @@ def _store(use_mooncake: bool) -> Iterator[MooncakeMasterProcess | None]:
 def _check(args: argparse.Namespace) -> str | None:
     if args.engines < 1 or args.engines > 250:
         return "--engines must be in 1..250 (one loopback IP each)"
-    if args.pd and args.engines < 2:
-        return "--pd needs --engines 2 or more (a prefill and a decode engine at least)"
+    if (args.pd or args.prfaas) and args.engines < 2:
+        return "--pd and --prfaas need --engines 2 or more (a prefill and a decode engine at least)"
+    if args.prfaas and (args.prfaas_engines < 1 or args.engines + args.prfaas_engines > 250
+                        or args.prfaas_egress_gbps <= 0 or args.prfaas_kv_bytes_per_token <= 0
+                        or args.prfaas_threshold_tokens < 0):
+        return ("--prfaas-engines must be >= 1 (with --engines, at most 250), --prfaas-egress-gbps and "
+                "--prfaas-kv-bytes-per-token > 0, --prfaas-threshold-tokens >= 0")
     if args.requests < 1 or args.duration <= 0 or args.time_scale <= 0:
         return "--requests must be >= 1, --duration and --time-scale > 0"
     if args.cache_capacity_blocks is not None and args.cache_capacity_blocks < 1:
@@ -153,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     store = "the Mooncake master" if args.mooncake else "an embedded index"
     fleet = (f"{args.engines} mock engines ({args.engines // 2} prefill + {args.engines - args.engines // 2} decode, "
-             f"{args.pd_protocol} hand-off)" if args.pd else f"{args.engines} mock engines")
+             f"{args.pd_protocol} hand-off)" if args.pd or args.prfaas else f"{args.engines} mock engines")
+    if args.prfaas:
+        fleet += (f", then {args.prfaas_engines} remote prefill engines behind a {args.prfaas_egress_gbps:g} Gbps "
+                  f"link ({args.prfaas_kv_bytes_per_token:,.0f} B of KV per token, threshold "
+                  f"{args.prfaas_threshold_tokens} tokens)")
     print(
         f"kvgate demo: {len(requests)} requests ({prompt_tokens:,} prompt tokens) per policy, "
         f"{fleet}, KV store: {store}",
@@ -162,7 +186,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _store(args.mooncake) as master:
             spec = _fleet(args, master)
-            runs = run_async(lambda: run_demo(spec, requests, tokenizer, progress=not args.no_progress))
+            if args.prfaas:
+                demo = PrfaasDemo(args.prfaas_engines, args.prfaas_egress_gbps, args.prfaas_kv_bytes_per_token,
+                                  args.prfaas_threshold_tokens, args.prfaas_bandwidth_mode)
+                runs = run_async(lambda: run_prfaas_demo(spec, demo, requests, tokenizer,
+                                                         progress=not args.no_progress))
+            else:
+                runs = run_async(lambda: run_demo(spec, requests, tokenizer, progress=not args.no_progress))
     except ServiceStartError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1

@@ -106,6 +106,9 @@ def add_parser(subparsers) -> None:
                         "default 8998 with sglang; vLLM's Mooncake connector)")
     parser.add_argument("--kv-transfer-tokens-per-s", type=float, default=PDRole.kv_transfer_tokens_per_s,
                         help="decode: modelled prompt tokens per second of the KV transfer from the prefill engine")
+    parser.add_argument("--egress-tokens-per-s", type=float, default=None,
+                        help="prefill: the link its KV leaves by, in modelled prompt tokens per second (a remote "
+                        "Prefill-as-a-Service cluster's egress); transfers queue on it one at a time")
     parser.add_argument(
         "--no-prompt-tokens-details",
         action="store_true",
@@ -145,8 +148,8 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
 
 def _pd_role(args: argparse.Namespace) -> PDRole | None:
     if args.role == "neutral":
-        if args.pd_protocol or args.bootstrap_port:
-            raise ValueError("--pd-protocol and --bootstrap-port need --role prefill or decode")
+        if args.pd_protocol or args.bootstrap_port or args.egress_tokens_per_s is not None:
+            raise ValueError("--pd-protocol, --bootstrap-port and --egress-tokens-per-s need --role prefill or decode")
         return None
     if args.pd_protocol is None:
         raise ValueError(f"--role {args.role} needs --pd-protocol sglang | vllm")
@@ -157,7 +160,9 @@ def _pd_role(args: argparse.Namespace) -> PDRole | None:
         bootstrap = SGLANG_DEFAULT_BOOTSTRAP_PORT
     if args.kv_transfer_tokens_per_s <= 0:
         raise ValueError("--kv-transfer-tokens-per-s must be positive")
-    return PDRole(args.role, args.pd_protocol, args.kv_transfer_tokens_per_s, bootstrap)
+    if args.egress_tokens_per_s is not None and (args.role != "prefill" or args.egress_tokens_per_s <= 0):
+        raise ValueError("--egress-tokens-per-s belongs to a prefill engine and must be positive")
+    return PDRole(args.role, args.pd_protocol, args.kv_transfer_tokens_per_s, bootstrap, args.egress_tokens_per_s)
 
 
 def _pd_summary(config: MockEngineConfig) -> str:

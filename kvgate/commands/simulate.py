@@ -6,6 +6,13 @@ compared on an hour of traffic in seconds. `--time-scale` multiplies the trace's
 0.5 replays it twice as fast. Scheduler flags are the `kvgate serve` flags, including the SLO ones
 (`--ttft-slo-s`, `--tbt-slo-s`, `--early-rejection`). `--store-model shared` (default) puts the
 instances' DRAM in one pool any of them loads from; `local` gives each its own cache.
+
+`--prefill-instances P --decode-instances D` replays over a disaggregated fleet; adding
+`--prfaas-instances N` (with `--prfaas-egress-gbps` and the KV size, `--prfaas-kv-bytes-per-token`
+or `--prfaas-kv-size-mib`) compares local-only PD, the naive PrfaaS rule and PrfaaS routing over a
+remote prefill cluster behind that link (docs/PRFAAS.md). `--lognormal MU,SIGMA,MIN,MAX` replaces
+the trace by a synthetic workload of that prompt-length distribution (`--lognormal-rps`,
+`--output-tokens`, `--limit` requests).
 """
 
 from __future__ import annotations
@@ -50,7 +57,13 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "simulate", help="replay a trace over simulated engines", description=__doc__
     )
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSON lines file")
+    parser.add_argument("--trace", help="Mooncake-format JSON lines file (or --lognormal)")
+    parser.add_argument("--lognormal", help="instead of --trace: prompt lengths from a truncated log-normal "
+                        "MU,SIGMA,MIN,MAX (of ln tokens; tokens), e.g. 9.90,1.00,128,131072; no shared prefixes")
+    parser.add_argument("--lognormal-rps", type=float, default=1.0,
+                        help="with --lognormal: Poisson arrival rate, requests/s (default 1.0)")
+    parser.add_argument("--output-tokens", type=int, default=1024,
+                        help="with --lognormal: output tokens of every request (default 1024)")
     parser.add_argument(
         "--instances",
         dest="num_instances",
@@ -116,6 +129,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--decode-instances", type=int, help="decode instances of the disaggregated fleet")
     parser.add_argument("--kv-transfer-tokens-per-s", type=float, default=None,
                         help="prompt tokens per second moved from a prefill to a decode instance (default 100000)")
+    parser.add_argument("--prfaas-instances", type=int, help="with --prefill-instances and --decode-instances: "
+                        "prefill instances of a remote PrfaaS cluster behind --prfaas-egress-gbps; compares "
+                        "local-only PD, the naive rule (every long prompt remote) and PrfaaS routing")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", help="write TTFT CDFs per policy to this image file")
     add_settings_arguments(parser)
@@ -130,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
     cli_values = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
     cli_values.setdefault("kvs_chunk_size", TRACE_BLOCK_TOKENS)
+    if args.prfaas_instances is not None and not args.config:
+        cli_values.setdefault("prfaas_cluster", "prfaas")
     try:
         policies = _policies(args)
         if args.num_instances < 1 or args.gateway_replicas < 1 or (args.limit is not None and args.limit < 1):
@@ -137,12 +155,16 @@ def run(args: argparse.Namespace) -> int:
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
         check_settings(base)
-        requests = read_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
+        requests = _workload(args, read_trace)
         if args.spread_bursts:
             requests = spread_bursts(requests)
     except (ConfigError, TraceError, ValueError) as exc:
         print(f"kvgate simulate: {exc}", file=sys.stderr)
         return 2
+    if args.prfaas_instances is not None:
+        from kvgate.commands.simulate_prfaas import run_prfaas
+
+        return run_prfaas(args, base, requests, profile)
 
     if args.prefill_instances is not None or args.decode_instances is not None:
         return _run_pd(args, base, requests, profile)
@@ -274,6 +296,19 @@ def _run_pd(args: argparse.Namespace, settings: Settings, requests, profile) -> 
           f"{args.store_model} store, time scale {args.time_scale:g}, KV transfer {rate:,.0f} tokens/s, KV cache {profile.cache_capacity_blocks} "
           f"blocks/instance\n\n{table}")
     return 0
+
+
+def _workload(args: argparse.Namespace, read_trace) -> list:
+    if bool(args.trace) == bool(args.lognormal):
+        raise ValueError("give one workload: --trace FILE or --lognormal MU,SIGMA,MIN,MAX")
+    if args.trace:
+        return read_trace(args.trace, limit=args.limit, time_scale=args.time_scale)
+    from kvgate.simulator.synthetic import lognormal_requests, parse_lognormal
+
+    mu, sigma, low, high = parse_lognormal(args.lognormal)
+    args.trace = f"log-normal mu {mu:g} sigma {sigma:g} on [{low:g}, {high:g}] at {args.lognormal_rps:g} req/s"
+    return lognormal_requests(args.limit or 1000, args.lognormal_rps / args.time_scale, mu, sigma, low, high,
+                              args.output_tokens, seed=args.seed)
 
 
 def _policies(args: argparse.Namespace) -> list[str]:

@@ -392,6 +392,11 @@ class Settings(BaseModel):
             or min(self.prfaas_kv_size_mib.values()) < 0
         ):
             raise ValueError("prfaas_kv_size_mib needs two lengths or more, lengths >= 1, sizes >= 0")
+        # The PrfaaS cluster only prefills: its KV goes to a local decode instance (docs/PRFAAS.md).
+        misplaced = [i.id for i in self.instances if i.cluster == self.prfaas_cluster and i.role != "prefill"]
+        if misplaced:
+            raise ValueError(f"instances {misplaced} are in the PrfaaS cluster {self.prfaas_cluster!r} "
+                             "but their role is not prefill")
         if (
             not self.prfaas_threshold_min_tokens
             <= self.prfaas_threshold_tokens

@@ -15,7 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.config.settings import InstanceConfig, InstanceRole, KVSBackendName, PDProtocol, Settings
+from kvgate.config.settings import (
+    LOCAL_CLUSTER,
+    InstanceConfig,
+    InstanceRole,
+    KVSBackendName,
+    PDProtocol,
+    Settings,
+)
 from kvgate.gateway.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
@@ -25,12 +32,37 @@ from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_
 
 
 @dataclass(frozen=True)
+class PrfaasSpec:
+    """A remote Prefill-as-a-Service cluster of prefill engines, after the local ones (docs/PRFAAS.md)."""
+
+    num_engines: int
+    # The link their KV crosses to the local decode engines, in prompt tokens per modelled second;
+    # each engine's egress gets an equal share of it, on which its transfers queue.
+    link_tokens_per_s: float
+    # The gateway's prfaas_* settings (its cluster name, threshold, link in Gbit/s, KV size).
+    gateway: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def cluster(self) -> str:
+        return self.gateway.get("prfaas_cluster", "prfaas")
+
+
+@dataclass(frozen=True)
 class FleetSpec:
     num_engines: int
     engine: MockEngineConfig
     mooncake: MooncakeMasterProcess | None = None
     # Prefill/decode disaggregation: the first half of the engines prefill, the rest decode.
     pd_protocol: PDProtocol | None = None
+    # With pd_protocol: a remote prefill cluster, engines num_engines and up.
+    prfaas: PrfaasSpec | None = None
+
+    @property
+    def total_engines(self) -> int:
+        return self.num_engines + (self.prfaas.num_engines if self.prfaas else 0)
+
+    def cluster(self, index: int) -> str:
+        return self.prfaas.cluster if self.prfaas and index >= self.num_engines else LOCAL_CLUSTER
 
     def engine_ip(self, index: int) -> str:
         """The loopback IP engine `index` holds its blocks at (its endpoint in the store)."""
@@ -39,6 +71,8 @@ class FleetSpec:
     def role(self, index: int) -> InstanceRole:
         if self.pd_protocol is None:
             return InstanceRole.NEUTRAL
+        if index >= self.num_engines:
+            return InstanceRole.PREFILL
         return InstanceRole.PREFILL if index < max(1, self.num_engines // 2) else InstanceRole.DECODE
 
     def engine_config(self, index: int) -> MockEngineConfig:
@@ -48,7 +82,11 @@ class FleetSpec:
         assert self.pd_protocol is not None
         # A prefill engine's bootstrap server needs a port of its own (SGLang always, vLLM never here).
         bootstrap = free_port() if role == InstanceRole.PREFILL and self.pd_protocol == PDProtocol.SGLANG else None
-        return dataclasses.replace(self.engine, pd=PDRole(role.value, self.pd_protocol.value, bootstrap_port=bootstrap))
+        egress = None
+        if self.prfaas is not None and index >= self.num_engines:
+            egress = self.prfaas.link_tokens_per_s / self.prfaas.num_engines
+        return dataclasses.replace(self.engine, pd=PDRole(role.value, self.pd_protocol.value, bootstrap_port=bootstrap,
+                                                          egress_tokens_per_s=egress))
 
 
 def free_port() -> int:
@@ -62,7 +100,7 @@ def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandl
     instances = tuple(
         InstanceConfig(
             id=f"engine-{i}", url=engine.url, model=spec.engine.model, kvs_endpoints=(spec.engine_ip(i),),
-            role=spec.role(i),
+            role=spec.role(i), cluster=spec.cluster(i),
             bootstrap_port=engine.engine.config.pd.bootstrap_port if engine.engine.config.pd else None,
         )
         for i, engine in enumerate(engines)
@@ -75,6 +113,7 @@ def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandl
         "instances": instances,
         "kvs_backend": KVSBackendName.MOONCAKE if spec.mooncake else KVSBackendName.EMBEDDED,
         "pd_protocol": spec.pd_protocol,
+        **(spec.prfaas.gateway if spec.prfaas else {}),
     }
     if spec.mooncake is not None:
         values["kvs_metadata_service_http_server_host"] = spec.mooncake.host
@@ -112,13 +151,7 @@ async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIt
     embedded = None if spec.mooncake else EmbeddedKVSIndex()
     engines: list[MockEngineHandle] = []
     try:
-        started = await asyncio.gather(
-            *(_start_engine(spec, i, embedded) for i in range(spec.num_engines)), return_exceptions=True
-        )
-        engines = [e for e in started if isinstance(e, MockEngineHandle)]
-        failures = [e for e in started if isinstance(e, BaseException)]
-        if failures:
-            raise failures[0]
+        engines = await start_engines(spec, embedded)
         settings = gateway_settings(spec, policy, engines)
         gateway = await start_gateway(settings, kvs_index=embedded, tokenizer=tokenizer)
         try:
@@ -127,3 +160,16 @@ async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIt
             await gateway.close()
     finally:
         await asyncio.gather(*(engine.close() for engine in engines))
+
+
+async def start_engines(spec: FleetSpec, embedded: EmbeddedKVSIndex | None) -> list[MockEngineHandle]:
+    """Every engine of `spec`, publishing to `embedded` (None: spec.mooncake); none left running on failure."""
+    started = await asyncio.gather(
+        *(_start_engine(spec, i, embedded) for i in range(spec.total_engines)), return_exceptions=True
+    )
+    engines = [e for e in started if isinstance(e, MockEngineHandle)]
+    failures = [e for e in started if isinstance(e, BaseException)]
+    if failures:
+        await asyncio.gather(*(engine.close() for engine in engines))
+        raise failures[0]
+    return engines

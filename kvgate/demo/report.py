@@ -40,4 +40,7 @@ ROWS: tuple[tuple[str, Callable[[ReplaySummary], str]], ...] = (
 def format_table(runs: Sequence[PolicyRun], tablefmt: str = "github") -> str:
     headers = ("", *(run.policy for run in runs))
     rows = [(label, *(render(run.summary) for run in runs)) for label, render in ROWS]
+    # Figures some runs read from their gateway (the PrfaaS link's), "-" where a run has none.
+    extra = dict.fromkeys(label for run in runs for label in run.gateway)
+    rows += [(label, *(run.gateway.get(label, "-") for run in runs)) for label in extra]
     return tabulate(rows, headers=headers, tablefmt=tablefmt, colalign=("left", *("right" for _ in runs)))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -24,8 +24,10 @@ POLICIES = ("round_robin", "cache_aware")
 
 @dataclass(frozen=True)
 class PolicyRun:
-    policy: str
+    policy: str  # the column's name: the policy, or the fleet (kvgate demo --prfaas)
     summary: ReplaySummary
+    # Figures read from the gateway after the replay (label -> shown value), e.g. the PrfaaS link's.
+    gateway: dict[str, str] = field(default_factory=dict)
 
 
 def trace_requests(path: str, limit: int, time_scale: float, max_tokens_cap: int) -> list[ReplayRequest]:
@@ -48,15 +50,22 @@ async def run_policy(
     tokenizer: Any,
     progress: bool = True,
     timeout_s: float = 120.0,
+    *,
+    label: str | None = None,
+    read_gateway: Callable[[str], Awaitable[dict[str, str]]] | None = None,
 ) -> PolicyRun:
+    """`label` names the column (default: the policy); `read_gateway(url)` reads figures from the
+    gateway once the replay is over, before it stops."""
     scheduled = _scheduled(requests, spec.engine.model)
+    label = label or policy
+    figures: dict[str, str] = {}
     async with running_fleet(spec, policy, tokenizer) as gateway_url:
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(
-                total=len(scheduled), unit="req", desc=f"{policy:>12}", file=sys.stderr, leave=True
+                total=len(scheduled), unit="req", desc=f"{label:>12}", file=sys.stderr, leave=True
             )
         started = time.perf_counter()
         try:
@@ -70,7 +79,9 @@ async def run_policy(
             if bar is not None:
                 bar.close()
         duration = time.perf_counter() - started
-    return PolicyRun(policy, summarize_replay(outcomes, duration))
+        if read_gateway is not None:
+            figures = await read_gateway(gateway_url)
+    return PolicyRun(label, summarize_replay(outcomes, duration), figures)
 
 
 async def run_demo(

@@ -33,6 +33,7 @@ from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.prompt_limit import PromptLimit
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
 from kvgate.gateway.registry import InstanceRegistry
@@ -50,6 +51,7 @@ from kvgate.metrics.definitions import (
     gateway_metrics,
     hit_metrics,
     kvs_metrics,
+    prfaas_metrics,
     ttft_metrics,
 )
 from kvgate.scheduler.account import LoadAccount
@@ -108,6 +110,8 @@ def build_app(
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
                       HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared)
+    if scheduler.prfaas is not None:
+        gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
 
@@ -160,7 +164,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gateway.forwarder = Forwarder(upstream, settings, gateway.registry, gateway.tracker, gateway.metrics,
                                   outliers, gateway.hits,
                                   ttft_feedback=TTFTFeedback(gateway.scheduler, ttft_metrics(gateway.prometheus)),
-                                  decode_ledger=gateway.decode_ledger)
+                                  decode_ledger=gateway.decode_ledger, prfaas=gateway.prfaas)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))

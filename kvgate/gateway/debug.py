@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.observe import REQUEST_ID
+from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
@@ -39,6 +40,7 @@ async def _schedule(request: web.Request) -> web.Response:
     rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
     return json_response({
         **_pd_fields(plan),
+        **_prfaas_fields(plan, gateway.prfaas),
         # The X-Request-Id of this call (the client's own, or the one the gateway gave it).
         "request_id": request[REQUEST_ID],
         "selected": plan.decision.selected,
@@ -99,3 +101,23 @@ def _pd_fields(plan: RoutePlan) -> dict[str, Any]:
             for half, decision in (("prefill", plan.pd.prefill), ("decode", plan.pd.decode))
         },
     }
+
+
+def _prfaas_fields(plan: RoutePlan, link: PrfaasLink | None) -> dict[str, Any]:
+    """Which cluster prefills and why (scheduler/prfaas.py), beside the rule's running state."""
+    if plan.pd is None or plan.pd.cluster is None or link is None:
+        return {}
+    cluster = plan.pd.cluster
+    return {"prfaas": {
+        "cluster": cluster.cluster,
+        "offloaded": cluster.offloaded,
+        "reason": cluster.reason,
+        "mode": cluster.mode.value,
+        "threshold_tokens": cluster.threshold_tokens,
+        "incremental_tokens": cluster.incremental_tokens,
+        "prefix_tokens": cluster.prefix_tokens,
+        "prefix_cluster": cluster.prefix_cluster,
+        "shipped_prefix_tokens": cluster.shipped_prefix_tokens,
+        "egress_bytes": cluster.egress_bytes,
+        "link": link.describe(),
+    }}

@@ -22,7 +22,6 @@ Rules, in the order a request meets them:
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.pd_forward import PDForwarder
+from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.relay import (
@@ -47,6 +47,7 @@ from kvgate.gateway.relay import (
     RetryableFailure,
     describe,
     relay_answer,
+    unavailable,
 )
 from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
@@ -55,8 +56,6 @@ from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
-
-log = logging.getLogger(__name__)
 
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
@@ -73,6 +72,7 @@ class Forwarder:
         hits: HitAccounting | None = None,
         ttft_feedback: TTFTFeedback | None = None,
         decode_ledger: DecodeLedger | None = None,
+        prfaas: PrfaasLink | None = None,
     ) -> None:
         self._ttft_feedback = ttft_feedback
         self._upstream = upstream
@@ -92,7 +92,7 @@ class Forwarder:
         self._pd = PDForwarder(
             upstream, make_handoff(settings.pd_protocol), registry, tracker,
             decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
-            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, self._ttft_dispatched, prfaas,
         ) if settings.pd_protocol is not None else None
 
     async def forward(
@@ -126,8 +126,7 @@ class Forwarder:
             # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
             prompts = len(parsed.batch) if parsed.batch is not None else 1
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
-            on_first_byte = (self._ttft_feedback.dispatched(plan, instance_id, parsed.max_tokens)
-                             if self._ttft_feedback is not None else None)
+            on_first_byte = self._ttft_dispatched(plan, instance_id, parsed.max_tokens)
             if attempts == 1:
                 self._observe_hit_ratio(plan, instance_id)
             tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
@@ -153,9 +152,7 @@ class Forwarder:
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
-        log.warning("request %s: no instance could answer: %s", request_id, "; ".join(failures))
-        raise APIError(502, f"no instance could answer the request (request id {request_id}; the gateway log "
-                            "has the details)", code="upstream_unavailable")
+        raise unavailable(request_id, failures)
 
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
         """The body for the engine, and whether it asks for usage the client did not ask for."""
@@ -246,6 +243,13 @@ class Forwarder:
         if on_first_byte is not None:
             on_first_byte()
         self._metrics.ttft_seconds.observe(time.perf_counter() - arrived)
+
+    def _ttft_dispatched(self, plan: RoutePlan, instance_id: str, max_tokens: int | None) -> Callable[[], None]:
+        """Tell the TTFT model an attempt left for `instance_id`; returns what to call when the
+        instance's prefill is done (its first byte), which calibrates the model."""
+        if self._ttft_feedback is None:
+            return lambda: None
+        return self._ttft_feedback.dispatched(plan, instance_id, max_tokens)
 
     def _observe_hit_ratio(self, plan: RoutePlan, instance_id: str) -> None:
         score = plan.score(instance_id)

@@ -8,6 +8,8 @@ Rules, in the order a request meets them:
   body is built from the prefill's answer (vLLM). The client's answer is always the decode
   instance's, relayed by relay.py like a whole request's; a 4xx from either side is relayed as is.
 - Skip-prefill: the request goes to the decode instance alone, which computes the prompt itself.
+- Prefill-as-a-Service: the plan's cluster decision chose the prefill instances' cluster; the
+  KV a pair puts on the PrfaaS link is recorded at the decode instance's first byte (gateway/prfaas.py).
 - Account: the prefill instance holds the prompt's uncached tokens until its answer is read; the
   decode instance holds one request (and its predicted decode tokens in the DecodeLedger) until its
   stream ends. Every entry is released in a `finally`, so a client hang-up (handler cancellation)
@@ -29,9 +31,10 @@ from kvgate.gateway.errors import APIError
 from kvgate.gateway.handoff import HandOff, HandOffError
 from kvgate.gateway.inflight import InflightTracker
 from kvgate.gateway.outliers import OutlierDetector
+from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry, InstanceState
-from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe
+from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe, unavailable
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.metrics.definitions import GatewayMetrics
@@ -44,6 +47,9 @@ RelayFrom = Callable[..., Awaitable[web.StreamResponse]]
 # (parsed, plan, prefill instance id, its JSON answer, request id): the prefill instance's usage
 # reports the cached tokens it found, which the hit accounting compares with the prediction.
 RecordPrefillHit = Callable[[ParsedRequest, RoutePlan, str, bytes, str], None]
+# (plan, prefill instance id, max_tokens) -> what to call when its prefill is done: the TTFT model
+# predicted that instance's queue + prefill + transfer, so its answer's arrival calibrates it.
+TTFTDispatched = Callable[[RoutePlan, str, int | None], Callable[[], None]]
 
 
 class PairFailure(Exception):
@@ -73,6 +79,8 @@ class PDForwarder:
         relay_decode: RelayFrom,
         observe_hit_ratio: Callable[[RoutePlan, str], None],
         record_prefill_hit: RecordPrefillHit,
+        ttft_dispatched: TTFTDispatched,
+        prfaas: PrfaasLink | None = None,
     ) -> None:
         self._upstream = upstream
         self._handoff = handoff
@@ -86,6 +94,8 @@ class PDForwarder:
         self._relay_decode = relay_decode
         self._observe_hit_ratio = observe_hit_ratio
         self._record_prefill_hit = record_prefill_hit
+        self._ttft_dispatched = ttft_dispatched
+        self._prfaas = prfaas
         self._sequence = itertools.count()
 
     async def forward(
@@ -104,6 +114,8 @@ class PDForwarder:
         prefill = None if pd.skip_prefill else next(prefills, None)
         decode = next(decodes, None)
         max_tokens = _max_tokens(body)
+        if self._prfaas is not None and pd.cluster is not None:
+            self._prfaas.dispatched(pd.cluster)
         failures: list[str] = []
         last_failed = ""
         for attempt in range(self._max_attempts):
@@ -141,14 +153,14 @@ class PDForwarder:
         if not failures:
             raise APIError(503, f"no healthy prefill and decode instance serves '{parsed.model}'",
                            code="no_healthy_instance")
-        raise APIError(502, "no prefill/decode pair could answer: " + "; ".join(failures),
-                       code="upstream_unavailable")
+        raise unavailable(request_id, failures, "prefill/decode pair")
 
     async def _decode_only(self, request: web.Request, key: str, decode: InstanceState, path: str,
-                           payload: bytes, headers: str, request_id: str, arrived: float) -> web.StreamResponse:
+                           payload: bytes, headers: str, request_id: str, arrived: float,
+                           on_first_byte: Callable[[], None] | None = None) -> web.StreamResponse:
         try:
             return await self._relay_decode(request, key, decode.config.url, path, payload, headers, request_id,
-                                            arrived)
+                                            arrived, on_first_byte=on_first_byte)
         except RetryableFailure as failure:
             raise PairFailure("decode", str(failure)) from None
 
@@ -163,8 +175,15 @@ class PDForwarder:
         prefill_key = key + "/prefill"
         self._tracker.dispatch(prefill_key, prefill.id, plan.miss_tokens(prefill.id))
         prefill_task = asyncio.create_task(
-            self._prefill(prefill_key, prefill, path, orjson.dumps(exchange.prefill_body), headers))
+            self._prefill(prefill_key, prefill, path, orjson.dumps(exchange.prefill_body), headers,
+                          self._ttft_dispatched(plan, prefill.id, parsed.max_tokens)))
         decode_key = key + "/decode"
+        cluster, prfaas = plan.pd.cluster if plan.pd is not None else None, self._prfaas
+
+        def kv_arrived() -> None:
+            if prfaas is not None and cluster is not None:
+                prfaas.kv_crossed(cluster)
+
         try:
             if not self._handoff.concurrent:
                 answer = await prefill_task
@@ -176,9 +195,10 @@ class PDForwarder:
                 except (HandOffError, orjson.JSONDecodeError, AttributeError) as exc:
                     raise PairFailure("prefill", f"unusable prefill answer: {exc}") from None
                 return await self._decode_only(request, decode_key, decode, path, orjson.dumps(decode_body),
-                                               headers, request_id, arrived)
+                                               headers, request_id, arrived, kv_arrived)
             response = await self._concurrent(request, prefill_task, decode_key, decode, path,
-                                              orjson.dumps(exchange.decode_body(None)), headers, request_id, arrived)
+                                              orjson.dumps(exchange.decode_body(None)), headers, request_id, arrived,
+                                              kv_arrived)
             answer = _prefill_answer(prefill_task)
             if answer is not None and answer.status == 200 and answer.content_type.startswith("application/json"):
                 self._record_prefill_hit(parsed, plan, prefill.id, answer.body, request_id)
@@ -191,13 +211,19 @@ class PDForwarder:
     async def _concurrent(
         self, request: web.Request, prefill_task: asyncio.Task[_PrefillAnswer], decode_key: str,
         decode: InstanceState, path: str, payload: bytes, headers: str, request_id: str, arrived: float,
+        on_first_byte: Callable[[], None],
     ) -> web.StreamResponse:
         """Both sent at once: a prefill failure before the decode's first byte fails the pair (the
         decode would wait for KV that never comes); after it, the decode's answer stands."""
         started = asyncio.Event()
+
+        def first_byte() -> None:
+            started.set()
+            on_first_byte()
+
         decode_task = asyncio.create_task(
             self._relay_decode(request, decode_key, decode.config.url, path, payload, headers, request_id,
-                               arrived, on_first_byte=started.set))
+                               arrived, on_first_byte=first_byte))
         try:
             await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
             if not decode_task.done() and not started.is_set():
@@ -216,7 +242,7 @@ class PDForwarder:
             await asyncio.gather(decode_task, return_exceptions=True)
 
     async def _prefill(self, key: str, prefill: InstanceState, path: str, payload: bytes,
-                       headers: str) -> _PrefillAnswer:
+                       headers: str, prefill_done: Callable[[], None]) -> _PrefillAnswer:
         """The prefill instance's whole answer; its part is done (account released) once read."""
         try:
             upstream = await self._upstream.post(prefill.config.url, path, headers, payload)
@@ -226,6 +252,8 @@ class PDForwarder:
             body = await upstream.read()
             if upstream.status >= 500:
                 raise PairFailure("prefill", f"HTTP {upstream.status}: {body[:300].decode('utf-8', 'replace')}")
+            if upstream.status == 200:
+                prefill_done()
             return _PrefillAnswer(upstream.status, body, upstream.content_type or "application/json")
         except UPSTREAM_ERRORS as exc:
             raise PairFailure("prefill", describe(exc)) from None

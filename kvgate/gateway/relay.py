@@ -14,15 +14,18 @@ prefill/decode hand-off) relays through here, so streaming behaves the same on a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 
 import orjson
 from aiohttp import web
 
-from kvgate.gateway.errors import error_payload
+from kvgate.gateway.errors import APIError, error_payload
 from kvgate.gateway.request_notes import STREAMING_RESPONSE
 from kvgate.gateway.upstream import FirstByteTimeout, UpstreamError, UpstreamResponse
 from kvgate.gateway.usage import UsageTap
+
+log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
@@ -123,6 +126,14 @@ async def end_with_error(
     event = b"data: " + orjson.dumps(error_payload(status, message, code=code)) + b"\n\n"
     if await _write(response, event + SSE_DONE):
         await response.write_eof()
+
+
+def unavailable(request_id: str, failures: Sequence[str], tried: str = "instance") -> APIError:
+    """The 502 for a request no instance could answer. Engines' answers can hold tracebacks and
+    internals, so the client gets the request id and the details go to the log."""
+    log.warning("request %s: no %s could answer: %s", request_id, tried, "; ".join(failures))
+    return APIError(502, f"no {tried} could answer the request (request id {request_id}; the gateway log "
+                         "has the details)", code="upstream_unavailable")
 
 
 def describe(exc: BaseException) -> str:

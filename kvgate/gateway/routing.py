@@ -141,7 +141,7 @@ class RoutePlanner:
             candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
             pd = self._scheduler.decide_pd(len(prompt_ids), blocks, locations, by_role[InstanceRole.PREFILL],
                                            by_role[InstanceRole.DECODE], self._decode_ledger.tokens,
-                                           disk_locations=disk_locations)
+                                           now=time.monotonic(), disk_locations=disk_locations, dry_run=explain)
             decision = pd.prefill
         else:
             # Whole requests go to neutral instances only: a decode instance refuses them.

@@ -13,6 +13,7 @@ from kvgate.config.settings import Settings
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.tokenizer import TokenizerService
@@ -43,6 +44,8 @@ class Gateway:
     hits: HitAccounting
     # Predicted decode tokens per decode instance (prefill/decode disaggregation).
     decode_ledger: DecodeLedger = field(default_factory=DecodeLedger)
+    # The Prefill-as-a-Service rule's link and gauges (None without --prfaas-cluster).
+    prfaas: PrfaasLink | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     # Set when the application starts (it needs the running loop's client session).
     forwarder: Forwarder | None = None

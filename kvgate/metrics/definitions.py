@@ -246,3 +246,47 @@ def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
             ["instance", "outcome"], registry=registry,
         ),
     )
+
+
+# --- Prefill-as-a-Service: the cluster rule's state (scheduler/prfaas.py, gateway/prfaas.py) ---
+
+
+@dataclass(frozen=True)
+class PrfaasMetrics:
+    egress_gbps: Gauge
+    link_utilisation: Gauge
+    threshold_tokens: Gauge
+    offload_fraction: Gauge
+    decisions: Counter  # cluster
+    egress_bytes: Counter
+
+
+def prfaas_metrics(registry: CollectorRegistry) -> PrfaasMetrics:
+    return PrfaasMetrics(
+        egress_gbps=Gauge(
+            "kvgate_prfaas_egress_gbps",
+            "Estimated KV egress on the PrfaaS -> local link over --prfaas-link-window-s, Gbit/s.",
+            registry=registry,
+        ),
+        link_utilisation=Gauge(
+            "kvgate_prfaas_link_utilisation", "The egress estimate over --prfaas-egress-gbps.", registry=registry,
+        ),
+        threshold_tokens=Gauge(
+            "kvgate_prfaas_threshold_tokens",
+            "Offload threshold in force (incremental prompt tokens), as adapted within its bounds.",
+            registry=registry,
+        ),
+        offload_fraction=Gauge(
+            "kvgate_prfaas_offload_fraction",
+            "Share of the disaggregated requests within the link window prefilled in the PrfaaS cluster.",
+            registry=registry,
+        ),
+        decisions=Counter(
+            "kvgate_prfaas_decisions", "Disaggregated requests by the cluster that prefilled them.", ["cluster"],
+            registry=registry,
+        ),
+        egress_bytes=Counter(
+            "kvgate_prfaas_egress_bytes", "KV bytes the gateway caused to cross the PrfaaS -> local link.",
+            registry=registry,
+        ),
+    )

@@ -39,6 +39,9 @@ class PDRole:
     # Modelled KV transfer rate between the engines (prompt tokens per modelled second).
     kv_transfer_tokens_per_s: float = 200_000.0
     bootstrap_port: int | None = None
+    # Prefill: the link its KV leaves by (a remote Prefill-as-a-Service cluster's egress, prompt
+    # tokens per modelled second); transfers queue on it one at a time. None: no such link.
+    egress_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class PDEngineRole:
         self.outbox = KVOutbox()
         self._block_ids = itertools.count(1)
         self._session: aiohttp.ClientSession | None = None
+        self._egress = asyncio.Lock()  # the egress link carries one transfer at a time
 
     async def close(self) -> None:
         if self._session is not None:
@@ -119,6 +123,9 @@ class PDEngineRole:
         blocks = await self.outbox.take(request.match_info["handle"], PULL_WAIT_S)
         if blocks is None:
             raise APIError(404, f"no KV under handle {request.match_info['handle']!r}")
+        if self.role.egress_tokens_per_s:
+            async with self._egress:
+                await asyncio.sleep(blocks.num_tokens / self.role.egress_tokens_per_s * self._time_scale)
         return json_response({"block_keys": list(blocks.block_keys), "num_tokens": blocks.num_tokens,
                               "cached_tokens": blocks.cached_tokens})
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvgate.scheduler.prfaas import ClusterDecision
 from kvgate.scheduler.scheduling_metrics import LoadMetric, SchedulingMetric
 from kvgate.scheduler.selector import Selector
 from kvgate.scheduler.types import Candidate, Decision, RoutingRequest
@@ -34,6 +35,8 @@ class PDDecision:
     skip_prefill: bool
     # Prompt tokens the chosen decode instance would compute itself (what the skip rule compares).
     decode_miss_tokens: int
+    # Which cluster prefills and why, for a model with a Prefill-as-a-Service cluster (scheduler/prfaas.py).
+    cluster: ClusterDecision | None = None
 
 
 class PredictedDecodeTokens(SchedulingMetric):

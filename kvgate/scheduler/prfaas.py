@@ -20,10 +20,12 @@ the link (`record_egress`), so the gateway and the simulator run the same rules.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvgate.config.settings import LOCAL_CLUSTER, PrfaasBandwidthMode, Settings
 from kvgate.scheduler.length_profile import LengthProfile
+from kvgate.scheduler.types import Candidate
 
 MIB = 1 << 20
 
@@ -145,10 +147,13 @@ class ThresholdController:
 class PrfaasRouter:
     """The cluster decision for each request, with the link estimate and the adaptive threshold."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, judge_cached_prefix: bool = True) -> None:
+        """`judge_cached_prefix=False` is the naive rule the simulator compares with: every prompt
+        longer than the threshold crosses, whatever either cluster holds of it."""
         if not settings.prfaas_cluster:
             raise ValueError("PrfaasRouter needs --prfaas-cluster")
         self.cluster = settings.prfaas_cluster
+        self.judge_cached_prefix = judge_cached_prefix
         self.mode = settings.prfaas_bandwidth_mode
         self.abundant_below = settings.prfaas_abundant_below_utilisation
         self.kv_size = KVSize(settings.prfaas_kv_size_mib, settings.prfaas_kv_bytes_per_token)
@@ -158,19 +163,32 @@ class PrfaasRouter:
         self._offloaded_in_window = 0
 
     def decide(
-        self, request: PrfaasRequest, now: float, queues: PrefillQueues, *, prfaas_available: bool = True
+        self,
+        request: PrfaasRequest,
+        now: float,
+        queues: PrefillQueues,
+        *,
+        prfaas_available: bool = True,
+        local_available: bool = True,
+        dry_run: bool = False,
     ) -> ClusterDecision:
+        """`dry_run` (the debug route) neither adapts the threshold nor counts the decision."""
         utilisation = self.link.utilisation(now)
-        self.controller.adapt(now, utilisation, queues)
+        if not dry_run:
+            self.controller.adapt(now, utilisation, queues)
         threshold = self.controller.threshold
         total = max(request.num_prompt_tokens, 0)
-        local_hit = min(max(request.local_hit_tokens, 0), total)
-        remote_hit = min(max(request.prfaas_hit_tokens, 0), total)
+        local_hit = min(max(request.local_hit_tokens, 0), total) if self.judge_cached_prefix else 0
+        remote_hit = min(max(request.prfaas_hit_tokens, 0), total) if self.judge_cached_prefix else 0
         mode = self._mode(utilisation)
         if not prfaas_available:
             # Nothing remote to prefill on or fetch a prefix from: local PD with the local prefix.
             decision = self._local(
                 mode, threshold, utilisation, total, local_hit, LOCAL_CLUSTER, "no PrfaaS instance up"
+            )
+        elif not local_available:
+            decision = self._remote(
+                mode, threshold, utilisation, total, remote_hit, self.cluster, "no local prefill instance up"
             )
         elif mode == PrfaasBandwidthMode.ABUNDANT:
             # The longer prefix counts wherever it lies (a tie stays local: nothing to ship).
@@ -209,7 +227,8 @@ class PrfaasRouter:
                     self.cluster,
                     f"{why} > threshold {threshold}",
                 )
-        self._count(now, decision.offloaded)
+        if not dry_run:
+            self._count(now, decision.offloaded)
         return decision
 
     def _local(
@@ -268,6 +287,10 @@ class PrfaasRouter:
         """Bytes that started crossing the link (a remote prefill's KV, a shipped prefix)."""
         self.link.record(now, nbytes)
 
+    def egress_gbps(self, now: float) -> float:
+        """The link's estimated egress over the window, Gbit/s."""
+        return self.link.bytes_per_s(now) * 8 / 1e9
+
     def offload_fraction(self, now: float) -> float:
         """Share of the decisions within the link window that went to the PrfaaS cluster."""
         self._expire(now)
@@ -288,3 +311,43 @@ class PrfaasRouter:
     def _expire(self, now: float) -> None:
         while self._decisions and self._decisions[0][0] <= now - self.link.window_s:
             self._offloaded_in_window -= self._decisions.popleft()[1]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """One request as the rule sees the two clusters: the prefill candidates of each, its longest
+    cached prefix in each (any instance of the cluster: the store serves it within the cluster) and
+    the mean queued prefill tokens per instance (the dispatch account merged with engine stats)."""
+
+    local: tuple[Candidate, ...]
+    prfaas: tuple[Candidate, ...]
+    request: PrfaasRequest
+    queues: PrefillQueues
+
+
+def cluster_view(
+    num_prompt_tokens: int,
+    prefill_candidates: Sequence[Candidate],
+    hit_tokens: Mapping[str, int],
+    cluster_of: Mapping[str, str],
+    prfaas_cluster: str,
+) -> ClusterView:
+    def in_prfaas(instance_id: str) -> bool:
+        return cluster_of.get(instance_id, LOCAL_CLUSTER) == prfaas_cluster
+
+    remote = tuple(c for c in prefill_candidates if in_prfaas(c.id))
+    local = tuple(c for c in prefill_candidates if not in_prfaas(c.id))
+    local_hit = max((t for i, t in hit_tokens.items() if not in_prfaas(i)), default=0)
+    remote_hit = max((t for i, t in hit_tokens.items() if in_prfaas(i)), default=0)
+    return ClusterView(
+        local,
+        remote,
+        PrfaasRequest(num_prompt_tokens, local_hit, remote_hit),
+        PrefillQueues(_mean_queue(local), _mean_queue(remote)),
+    )
+
+
+def _mean_queue(candidates: Sequence[Candidate]) -> float:
+    if not candidates:
+        return 0.0
+    return sum(c.load.all_prefills_tokens_num for c in candidates) / len(candidates)

@@ -14,6 +14,7 @@ from kvgate.scheduler.decode import DecodeChooser, PDDecision
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
 from kvgate.scheduler.prefix import EndpointMap, prefix_hit_tokens
+from kvgate.scheduler.prfaas import ClusterDecision, PrfaasRouter, cluster_view
 from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.rejection import Rejection, RejectionFilter
 from kvgate.scheduler.tiers import TieredHits, tiered_hits
@@ -32,7 +33,10 @@ class Scheduler:
         self.ttft = TTFTModel(TTFTProfile.from_settings(settings), settings.ttft_calibration)
         self.rejection = RejectionFilter(settings.early_rejection, settings.ttft_slo_s, settings.tbt_slo_s)
         self._instance_ids = {instance.id for instance in instances}
+        self._set_clusters(instances)
         self._decode = DecodeChooser()
+        # Which cluster prefills each disaggregated request, when a PrfaaS cluster is configured.
+        self.prfaas = PrfaasRouter(settings) if settings.prfaas_cluster else None
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         s = self._settings
@@ -45,8 +49,8 @@ class Scheduler:
 
     def wants_kvs(self, num_prompt_tokens: int) -> bool:
         """Whether asking the store can change the decision (or the rejection filter's verdict,
-        which reads the predicted TTFT) for a prompt this long."""
-        return self.policy.uses_cache(num_prompt_tokens) or self.rejection.active
+        which reads the predicted TTFT, or the PrfaaS rule, which reads every cluster's prefix)."""
+        return self.policy.uses_cache(num_prompt_tokens) or self.rejection.active or self.prfaas is not None
 
     def decide(
         self,
@@ -114,10 +118,18 @@ class Scheduler:
         decode_candidates: Sequence[Candidate],
         predicted_decode_tokens: Mapping[str, int],
         *,
+        now: float,
         disk_locations: Sequence[Collection[str]] | None = None,
+        dry_run: bool = False,
     ) -> PDDecision:
         """Both halves of a disaggregated request: the configured policy over the prefill instances,
-        decode load over the decode instances (scheduler/decode.py)."""
+        decode load over the decode instances (scheduler/decode.py). With a PrfaaS cluster, the
+        cluster rule (scheduler/prfaas.py) first narrows the prefill instances to one cluster;
+        `now` is its clock, and `dry_run` (the debug route) leaves its state alone."""
+        cluster = None
+        if self.prfaas is not None and self._has_prfaas_cluster(decode_candidates):
+            cluster, prefill_candidates = self._prefill_cluster(num_prompt_tokens, blocks, locations,
+                                                                prefill_candidates, now, dry_run)
         prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates,
                               disk_locations=disk_locations)
         decode = self._decode.choose(RoutingRequest(num_prompt_tokens), decode_candidates, predicted_decode_tokens)
@@ -128,12 +140,42 @@ class Scheduler:
                 decode.selected, 0)
         miss = max(0, num_prompt_tokens - decode_hit)
         threshold = self._settings.pd_skip_prefill_below_tokens
-        return PDDecision(prefill, decode, skip_prefill=bool(threshold) and miss <= threshold,
-                          decode_miss_tokens=miss)
+        # An offloaded prompt is long by the rule's own measure: it is never computed by a decode instance.
+        skip = bool(threshold) and miss <= threshold and not (cluster is not None and cluster.offloaded)
+        return PDDecision(prefill, decode, skip_prefill=skip, decode_miss_tokens=miss, cluster=cluster)
+
+    def _set_clusters(self, instances: Sequence[InstanceConfig]) -> None:
+        self._cluster_of = {instance.id: instance.cluster for instance in instances}
+        self._model_of = {instance.id: instance.model for instance in instances}
+        # Models with an instance configured in the PrfaaS cluster: only these take the cluster rule.
+        cluster = self._settings.prfaas_cluster
+        self._prfaas_models = {instance.model for instance in instances if cluster and instance.cluster == cluster}
+
+    def _has_prfaas_cluster(self, decode_candidates: Sequence[Candidate]) -> bool:
+        # Every candidate serves the request's model; a decode instance is always local, so it names it.
+        return any(self._model_of.get(c.id) in self._prfaas_models for c in decode_candidates[:1])
+
+    def _prefill_cluster(
+        self,
+        num_prompt_tokens: int,
+        blocks: Sequence[BlockHash],
+        locations: Sequence[Collection[str]] | None,
+        prefill_candidates: Sequence[Candidate],
+        now: float,
+        dry_run: bool,
+    ) -> tuple[ClusterDecision, Sequence[Candidate]]:
+        assert self.prfaas is not None
+        # Every instance's hit, whatever the policy: the rule's incremental length needs it.
+        hits = {} if locations is None else prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
+        view = cluster_view(num_prompt_tokens, prefill_candidates, hits, self._cluster_of, self.prfaas.cluster)
+        cluster = self.prfaas.decide(view.request, now, view.queues, prfaas_available=bool(view.prfaas),
+                                     local_available=bool(view.local), dry_run=dry_run)
+        return cluster, view.prfaas if cluster.offloaded else view.local
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> None:
         """Instances added or removed at run time: their store endpoints change with them."""
         self.endpoint_map = EndpointMap.from_instances(instances)
         ids = {instance.id for instance in instances}
+        self._set_clusters(instances)
         self.ttft.forget(sorted(self._instance_ids - ids))
         self._instance_ids = ids

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvgate.config.settings import InstanceRole, Settings
 from kvgate.engine_model import EngineRequest, ServiceProfile, StepOutcome
-from kvgate.scheduler.decode import DecodeLedger
+from kvgate.scheduler.decode import DecodeLedger, PDDecision
 from kvgate.scheduler.types import Candidate
 from kvgate.simulator.replay import (
     _STEP_START,
@@ -79,7 +79,8 @@ class PDReplay(Replay):
         wants_hits = scheduler.wants_kvs(n) or self._settings.pd_skip_prefill_below_tokens > 0
         locations = [self.index.holders(key) for key in keys] if wants_hits else None
         pd = scheduler.decide_pd(n, blocks, locations, self._candidates(InstanceRole.PREFILL),
-                                 self._candidates(InstanceRole.DECODE), self.ledger.tokens)
+                                 self._candidates(InstanceRole.DECODE), self.ledger.tokens, now=now)
+        self._decided(pd, now)
         rid, i = str(req.index), req.index
         full_keys = tuple(keys[: n // TRACE_BLOCK_TOKENS])
         decode_id = pd.decode.ranking[0]
@@ -96,6 +97,13 @@ class PDReplay(Replay):
         self.account.dispatch(rid + "/d", decode_id, 0, now)
         self._submit(self._slot_of[prefill.id], EngineRequest(rid, full_keys, n, 1), now)
 
+    def _decided(self, pd: PDDecision, now: float) -> None:
+        """A request's PD decision, before dispatch (the PrfaaS replay puts shipped prefixes on its link)."""
+
+    def _kv_arrives_at(self, prefill: SimInstance, i: int, now: float) -> float:
+        """When request i's KV, prefilled on `prefill` and done at `now`, reaches its decode instance."""
+        return now + self._requests[i].input_length / self._transfer_rate
+
     def _submit(self, slot: int, request: EngineRequest, now: float) -> None:
         inst = self.instances[slot]
         inst.requests += 1
@@ -110,7 +118,7 @@ class PDReplay(Replay):
                 self.account.release(rid + "/p")
                 i = int(rid)
                 self._transfers += 1
-                self._push(now + self._requests[i].input_length / self._transfer_rate, _TRANSFER_DONE, i)
+                self._push(self._kv_arrives_at(inst, i, now), _TRANSFER_DONE, i)
             return
         requests = self._requests
         for rid in out.first_tokens:
