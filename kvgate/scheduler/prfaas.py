@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvgate.config.settings import LOCAL_CLUSTER, PrfaasBandwidthMode, Settings
 from kvgate.scheduler.length_profile import LengthProfile
@@ -181,15 +182,12 @@ class PrfaasRouter:
         local_hit = min(max(request.local_hit_tokens, 0), total) if self.judge_cached_prefix else 0
         remote_hit = min(max(request.prfaas_hit_tokens, 0), total) if self.judge_cached_prefix else 0
         mode = self._mode(utilisation)
+        build = partial(self._decision, mode, threshold, utilisation, total)
         if not prfaas_available:
             # Nothing remote to prefill on or fetch a prefix from: local PD with the local prefix.
-            decision = self._local(
-                mode, threshold, utilisation, total, local_hit, LOCAL_CLUSTER, "no PrfaaS instance up"
-            )
+            decision = build(False, local_hit, LOCAL_CLUSTER, "no PrfaaS instance up")
         elif not local_available:
-            decision = self._remote(
-                mode, threshold, utilisation, total, remote_hit, self.cluster, "no local prefill instance up"
-            )
+            decision = build(True, remote_hit, self.cluster, "no local prefill instance up")
         elif mode == PrfaasBandwidthMode.ABUNDANT:
             # The longer prefix counts wherever it lies (a tie stays local: nothing to ship).
             prefix, where = (
@@ -197,90 +195,50 @@ class PrfaasRouter:
             )
             why = f"abundant link ({utilisation:.0%}): incremental {total - prefix}"
             if total - prefix <= threshold:
-                decision = self._local(
-                    mode, threshold, utilisation, total, prefix, where, f"{why} <= threshold {threshold}"
-                )
+                decision = build(False, prefix, where, f"{why} <= threshold {threshold}")
             else:
-                decision = self._remote(
-                    mode, threshold, utilisation, total, prefix, where, f"{why} > threshold {threshold}"
-                )
+                decision = build(True, prefix, where, f"{why} > threshold {threshold}")
         else:
             # Judged on the local prefix alone; remote prefill then reuses what the remote side holds.
             why = f"scarce link ({utilisation:.0%}): incremental {total - local_hit} after the local prefix"
             if total - local_hit <= threshold:
-                decision = self._local(
-                    mode,
-                    threshold,
-                    utilisation,
-                    total,
-                    local_hit,
-                    LOCAL_CLUSTER,
-                    f"{why} <= threshold {threshold}",
-                )
+                decision = build(False, local_hit, LOCAL_CLUSTER, f"{why} <= threshold {threshold}")
             else:
-                decision = self._remote(
-                    mode,
-                    threshold,
-                    utilisation,
-                    total,
-                    remote_hit,
-                    self.cluster,
-                    f"{why} > threshold {threshold}",
-                )
+                decision = build(True, remote_hit, self.cluster, f"{why} > threshold {threshold}")
         if not dry_run:
             self._count(now, decision.offloaded)
         return decision
 
-    def _local(
+    def _decision(
         self,
         mode: PrfaasBandwidthMode,
         threshold: int,
         utilisation: float,
         total: int,
+        offloaded: bool,
         prefix: int,
         where: str,
         why: str,
     ) -> ClusterDecision:
-        shipped = prefix if where != LOCAL_CLUSTER else 0
+        """Prefill in the PrfaaS cluster (`offloaded`) or locally, reusing `prefix` cached tokens held
+        in cluster `where`; a prefix held on the other side than the prefill is shipped across."""
+        shipped = prefix if (where == LOCAL_CLUSTER) == offloaded else 0
         return ClusterDecision(
-            cluster=LOCAL_CLUSTER,
-            offloaded=False,
+            cluster=self.cluster if offloaded else LOCAL_CLUSTER,
+            offloaded=offloaded,
             mode=mode,
             threshold_tokens=threshold,
             incremental_tokens=total - prefix,
             prefix_tokens=prefix,
             prefix_cluster=where,
             shipped_prefix_tokens=shipped,
-            egress_bytes=self.kv_size.bytes(shipped),
+            # Offloaded, the whole prompt's KV reaches the local decode instance, the reused prefix
+            # included; a local prefix shipped to the PrfaaS cluster travels the other way and is not
+            # egress. Local, only a prefix shipped from the PrfaaS cluster crosses the link.
+            egress_bytes=self.kv_size.bytes(total if offloaded else shipped),
             link_utilisation=utilisation,
-            reason=why + (f"; {shipped} cached tokens shipped from {self.cluster}" if shipped else ""),
-        )
-
-    def _remote(
-        self,
-        mode: PrfaasBandwidthMode,
-        threshold: int,
-        utilisation: float,
-        total: int,
-        prefix: int,
-        where: str,
-        why: str,
-    ) -> ClusterDecision:
-        shipped = prefix if where == LOCAL_CLUSTER else 0
-        return ClusterDecision(
-            cluster=self.cluster,
-            offloaded=True,
-            mode=mode,
-            threshold_tokens=threshold,
-            incremental_tokens=total - prefix,
-            prefix_tokens=prefix,
-            prefix_cluster=where,
-            shipped_prefix_tokens=shipped,
-            # The whole prompt's KV reaches the local decode instance, the reused prefix included;
-            # a local prefix shipped to the PrfaaS cluster travels the other way and is not egress.
-            egress_bytes=self.kv_size.bytes(total),
-            link_utilisation=utilisation,
-            reason=why + (f"; {shipped} cached tokens shipped to {self.cluster}" if shipped else ""),
+            reason=why + (f"; {shipped} cached tokens shipped {'to' if offloaded else 'from'} {self.cluster}"
+                          if shipped else ""),
         )
 
     def record_egress(self, now: float, nbytes: int) -> None:
