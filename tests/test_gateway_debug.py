@@ -112,3 +112,22 @@ async def test_debug_schedule_names_the_request_id(upstreams):
                 assert len(given) == 32 and response.headers["X-Request-Id"] == given
     finally:
         await handle.close()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+async def test_debug_schedule_leaves_the_tie_break_where_it_was(upstreams, top_k):
+    """Round robin ties everything: each real request moves the cursor on, a debug call must not."""
+    settings = gateway_settings({u.name: u.url for u in upstreams}, MODEL, dispatch_policy="least_load",
+                                dispatch_top_k=top_k)
+    handle = await start_gateway(settings, tokenizer=tokenizer())
+    try:
+        body = {"model": MODEL, "prompt": "hello"}
+        shown = [(await post(handle.url, "/debug/schedule", body))[1]["selected"] for _ in range(4)]
+        assert len(set(shown)) == 1  # looking four times shows the same choice four times
+        async with aiohttp.ClientSession() as session, \
+                session.post(handle.url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+            answered = (await response.json())["id"]
+        assert answered == f"cmpl-{shown[0]}"  # and the next real request goes where it was shown
+    finally:
+        await handle.close()

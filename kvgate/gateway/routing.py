@@ -149,7 +149,7 @@ class RoutePlanner:
             if not candidates:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
             decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates,
-                                              disk_locations=disk_locations)
+                                              disk_locations=disk_locations, dry_run=explain)
         schedule_s = time.perf_counter() - started - kvs_elapsed
         self._stage["schedule"].observe(max(schedule_s, 0.0))
         return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd)

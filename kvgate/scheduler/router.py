@@ -60,9 +60,11 @@ class Scheduler:
         candidates: Sequence[Candidate],
         *,
         disk_locations: Sequence[Collection[str]] | None = None,
+        dry_run: bool = False,
     ) -> Decision:
         """Rank `candidates`. `locations` (memory replicas) None means the store did not answer: no
-        hits, load only. `disk_locations` count only with --kvs-query-disk-tier."""
+        hits, load only. `disk_locations` count only with --kvs-query-disk-tier. `dry_run` (the
+        debug route) leaves the tie-break state alone."""
         local: dict[str, int] = {}
         pool: Callable[[], TieredHits] = TieredHits.empty
         if locations is not None and self.wants_kvs(num_prompt_tokens):
@@ -71,7 +73,7 @@ class Scheduler:
             # The pool's view is built only if a prediction is read (conductor, rejection, debug).
             pool = partial(tiered_hits, blocks, locations, disk, self.endpoint_map, num_prompt_tokens, local)
         predictions = Predictions(self.ttft, candidates, num_prompt_tokens, pool)
-        request = RoutingRequest(num_prompt_tokens, local, predictions)
+        request = RoutingRequest(num_prompt_tokens, local, predictions, dry_run)
         return self.policy.select(request, candidates)
 
     def judge(
@@ -131,8 +133,9 @@ class Scheduler:
             cluster, prefill_candidates = self._prefill_cluster(num_prompt_tokens, blocks, locations,
                                                                 prefill_candidates, now, dry_run)
         prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates,
-                              disk_locations=disk_locations)
-        decode = self._decode.choose(RoutingRequest(num_prompt_tokens), decode_candidates, predicted_decode_tokens)
+                              disk_locations=disk_locations, dry_run=dry_run)
+        decode = self._decode.choose(RoutingRequest(num_prompt_tokens, dry_run=dry_run), decode_candidates,
+                                     predicted_decode_tokens)
         # The decode instance prefills a skipped request itself: what it misses is what it computes.
         decode_hit = 0
         if locations is not None and decode.selected is not None:

@@ -50,8 +50,13 @@ class Selector:
         keys = list(zip(*ascending, [id_ <= last for id_ in ids], ids, range(len(ids)), strict=True))
         order = RankingOrder(keys)
         if self._top_k > 1:
-            order.promote(self._rng.randrange(min(self._top_k, len(keys))))
-        self._last_pick = ids[order[0]]
+            rng = self._rng
+            if request.dry_run:
+                rng = random.Random()
+                rng.setstate(self._rng.getstate())
+            order.promote(rng.randrange(min(self._top_k, len(keys))))
+        if not request.dry_run:
+            self._last_pick = ids[order[0]]
         return Decision(
             selected=ids[order[0]],
             ranking=Ranking(ids, order),

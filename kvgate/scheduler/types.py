@@ -50,6 +50,9 @@ class RoutingRequest:
     prefix_hit_tokens: Mapping[str, int] = field(default_factory=dict)
     # Predicted TTFT per candidate id (ttft.Predictions, computed when read); None when not needed.
     predictions: Mapping[str, TTFTPrediction] | None = None
+    # The debug route's planning: rank exactly as a real request would, but leave the selector's
+    # tie cursor and random state where they are, so looking never changes what traffic gets.
+    dry_run: bool = False
 
 
 @dataclass(frozen=True, slots=True)
