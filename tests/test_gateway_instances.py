@@ -74,6 +74,12 @@ async def test_add_drain_remove_at_run_time(upstreams):
         assert (await call(handle.url, "POST", "/admin/instances", new, ADMIN))[0] == 409
         bad = await call(handle.url, "POST", "/admin/instances", {"id": "c", "url": "ftp://x", "model": MODEL}, ADMIN)
         assert bad[0] == 400 and bad[1]["error"]["param"] == "url"
+        # Without a pd_protocol a prefill or decode instance could never be served; bootstrap fields
+        # belong to prefill instances. Both refused at the door, as at start-up.
+        for role, extra in (("prefill", {}), ("decode", {}), ("neutral", {"bootstrap_port": 8998})):
+            refused = await call(handle.url, "POST", "/admin/instances",
+                                 {"id": "c", "url": upstreams["b"].url, "model": MODEL, "role": role, **extra}, ADMIN)
+            assert refused[0] == 400 and refused[1]["error"]["param"] == "role", refused
         assert {await complete(handle.url) for _ in range(4)} == {"a", "b"}
 
         status, payload = await call(handle.url, "POST", "/admin/instances/a/drain", headers=ADMIN)

@@ -29,6 +29,13 @@ def check_pd_serving(instances: Sequence[InstanceConfig], protocol: PDProtocol |
         )
 
 
+def check_bootstrap_fields(instance: InstanceConfig) -> None:
+    if instance.role != "prefill" and (instance.bootstrap_port is not None or instance.bootstrap_host):
+        raise ValueError(
+            f"instance {instance.id!r}: bootstrap_port and bootstrap_host apply to prefill instances only"
+        )
+
+
 def check_pd_fleet(
     instances: Sequence[InstanceConfig], protocol: PDProtocol | None, skip_below_tokens: int
 ) -> None:
@@ -36,10 +43,7 @@ def check_pd_fleet(
     roles: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for instance in instances:
         roles[instance.model][instance.role].append(instance.id)
-        if instance.role != "prefill" and (instance.bootstrap_port is not None or instance.bootstrap_host):
-            raise ValueError(
-                f"instance {instance.id!r}: bootstrap_port and bootstrap_host apply to prefill instances only"
-            )
+        check_bootstrap_fields(instance)
     for model, by_role in sorted(roles.items()):
         if by_role.get("decode") and not by_role.get("prefill"):
             raise ValueError(f"model {model!r}: decode instances {by_role['decode']} but no prefill instance")

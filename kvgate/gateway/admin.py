@@ -15,6 +15,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kvgate.config.instance_rules import check_url_in_networks, parse_networks
+from kvgate.config.pd import check_bootstrap_fields, check_pd_serving
 from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.protocol import json_response
@@ -76,6 +77,13 @@ async def _add(request: web.Request) -> web.Response:
         check_url_in_networks(config.url, parse_networks(gateway.settings.instance_networks))
     except ValueError as exc:
         raise APIError(400, f"invalid instance 'url': {exc}", param="url", code="instance_network_refused") from None
+    # The start-up rules an instance can break on its own; a fleet is completed one add at a time,
+    # so a prefill instance may come before its decode instances.
+    try:
+        check_pd_serving([config], gateway.settings.pd_protocol)
+        check_bootstrap_fields(config)
+    except ValueError as exc:
+        raise APIError(400, f"invalid instance 'role': {exc}", param="role") from None
     try:
         state = gateway.registry.add(config)
     except RegistryFull as exc:
