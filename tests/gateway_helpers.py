@@ -71,6 +71,24 @@ async def assert_nothing_in_flight(handle: GatewayHandle, timeout_s: float = 5.0
     assert await inflight_gauges(handle.url) == (0.0, 0.0)
 
 
+async def read_events(stream, count: int) -> None:
+    """Read `count` chunks of an openai client stream, then stop (the test hangs up with close())."""
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == count:
+            return
+
+
+async def assert_hang_up_released(handle: GatewayHandle, *engines) -> None:
+    """After a client hung up: every mock engine dropped the request, and the gateway's account,
+    gauges and decode ledger are back to zero."""
+    for engine in engines:
+        await wait_until(lambda engine=engine: engine.loop.num_open_requests == 0)
+    await assert_nothing_in_flight(handle)
+    assert len(handle.app[GATEWAY].decode_ledger) == 0
+
+
 def counter_value(handle: GatewayHandle, name: str, **labels: str) -> float:
     value = handle.app[GATEWAY].prometheus.get_sample_value(name, labels or None)
     return value or 0.0

@@ -10,7 +10,13 @@ import pytest
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
-from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer, wait_until
+from tests.gateway_helpers import (
+    assert_hang_up_released,
+    assert_nothing_in_flight,
+    gateway_settings,
+    read_events,
+    tokenizer,
+)
 
 CONFIG = MockEngineConfig(time_scale=0.05)
 MODEL = CONFIG.model
@@ -73,14 +79,9 @@ async def test_hang_up_mid_stream_frees_gateway_and_engine(engines, gateway):
     engine = engines[0].engine
     stream = await client(gateway.url).completions.create(model=MODEL, prompt="tell me a story", max_tokens=2000,
                                                           stream=True)
-    received = 0
-    async for _ in stream:
-        received += 1
-        if received == 3:
-            break
+    await read_events(stream, 3)
     await stream.close()
-    await wait_until(lambda: engine.loop.num_open_requests == 0)
-    await assert_nothing_in_flight(gateway)
+    await assert_hang_up_released(gateway, engine)
 
 
 async def test_200_concurrent_streams_complete_and_leave_nothing_in_flight(engines):

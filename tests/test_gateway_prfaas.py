@@ -18,11 +18,12 @@ from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.mock_engine.server import MockEngineConfig
 from tests.gateway_helpers import (
+    assert_hang_up_released,
     assert_nothing_in_flight,
     closed_port_url,
     counter_value,
+    read_events,
     tokenizer,
-    wait_until,
 )
 
 MODEL = MockEngineConfig().model
@@ -198,17 +199,10 @@ async def test_client_hang_up_on_an_offloaded_stream_releases_everything(protoco
         _, decode, remote = engines
         stream = await client(gateway.url).completions.create(model=MODEL, prompt=prompt(5000, 1400),
                                                               max_tokens=3000, stream=True)
-        received = 0
-        async for _ in stream:
-            received += 1
-            if received == 3:
-                break
+        await read_events(stream, 3)
         assert gateway.app[GATEWAY].decode_ledger.tokens == {"engine-1": 3000}
         await stream.close()
-        await wait_until(lambda: decode.engine.loop.num_open_requests == 0)
-        await wait_until(lambda: remote.engine.loop.num_open_requests == 0)
-        await assert_nothing_in_flight(gateway)
-        assert len(gateway.app[GATEWAY].decode_ledger) == 0
+        await assert_hang_up_released(gateway, decode.engine, remote.engine)
 
 
 async def test_the_only_remote_prefill_dead_answers_502_and_leaves_nothing_behind():

@@ -17,9 +17,11 @@ from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.pd import PDRole
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine
 from tests.gateway_helpers import (
+    assert_hang_up_released,
     assert_nothing_in_flight,
     closed_port_url,
     counter_value,
+    read_events,
     tokenizer,
     wait_until,
 )
@@ -137,18 +139,11 @@ async def test_the_debug_route_shows_both_choices_with_their_rankings(fleet):
 async def test_client_hang_up_mid_stream_cancels_both_and_accounts_return_to_zero(fleet):
     _, prefill, decode, gateway, _ = fleet
     stream = await client(gateway.url).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3000, stream=True)
-    received = 0
-    async for _ in stream:
-        received += 1
-        if received == 3:
-            break
+    await read_events(stream, 3)
     # The decode is generating; the gateway holds one decode entry with its predicted tokens.
     assert gateway.app[GATEWAY].decode_ledger.tokens == {"d0": 3000}
     await stream.close()
-    await wait_until(lambda: decode.engine.loop.num_open_requests == 0)
-    await wait_until(lambda: prefill.engine.loop.num_open_requests == 0)
-    await assert_nothing_in_flight(gateway)
-    assert len(gateway.app[GATEWAY].decode_ledger) == 0
+    await assert_hang_up_released(gateway, decode.engine, prefill.engine)
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
