@@ -444,7 +444,7 @@ class TokenizerService:
     def _complete_rest(self, encoding: PromptEncoding, done: Callable[[str], None]) -> None:
         outcome = "completed"
         try:
-            self._segment_ids(encoding.segments, encoding.encoded_segments, None)
+            self._segment_ids(encoding.segments, encoding.encoded_segments, None, self._encode_serially)
             if encoding.remaining_chars > TRIM_AFTER_CHARS:
                 _release_free_memory()
         except Exception:  # the request is long gone: log, never raise into the executor
@@ -532,10 +532,17 @@ class TokenizerService:
         """The ids of each segment of `text`, in order; only segments not cached are encoded."""
         return self._segment_ids(self._segmenter.split(text) if self._segmenter else [text], 0, None)
 
-    def _segment_ids(self, segments: Sequence[str], start: int, budget_chars: float | None) -> list[TokenIds]:
-        """The ids of segments from `start` on, in order, each either cached or encoded (in one
-        batch, then cached). With `budget_chars`, stops before the first segment not cached once
-        that many characters of new text are taken (at least one segment is)."""
+    def _segment_ids(
+        self,
+        segments: Sequence[str],
+        start: int,
+        budget_chars: float | None,
+        encode: Callable[[list[str]], list[TokenIds]] | None = None,
+    ) -> list[TokenIds]:
+        """The ids of segments from `start` on, in order, each either cached or encoded (by
+        `encode`, by default _encode_plain's one batch), then cached. With `budget_chars`, stops
+        before the first segment not cached once that many characters of new text are taken (at
+        least one segment is)."""
         found: list[TokenIds | None] = []
         missing: list[str] = []
         new_chars = 0
@@ -549,7 +556,7 @@ class TokenizerService:
             found.append(ids)
         if not missing:
             return found  # type: ignore[return-value]  # no None left
-        fresh = dict(zip(missing, self._encode_plain(missing), strict=True))
+        fresh = dict(zip(missing, (encode or self._encode_plain)(missing), strict=True))
         for segment, ids in fresh.items():
             self._cache.put(segment, ids)
         taken = segments[start:start + len(found)]
@@ -560,6 +567,14 @@ class TokenizerService:
         if self._encode_batch is not None:
             return [array("I", enc.ids) for enc in self._encode_batch(texts, add_special_tokens=False)]
         return [array("I", self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def _encode_serially(self, texts: list[str]) -> list[TokenIds]:
+        """_encode_plain on the calling thread alone: a batch runs on the Rust tokenizer's shared
+        thread pool, where background work would run at the request path's priority and queue
+        ahead of its batches. One text at a time still releases the GIL."""
+        if self._backend is not None:
+            return [array("I", self._backend.encode(t, add_special_tokens=False).ids) for t in texts]
+        return self._encode_plain(texts)
 
     def _special_token_affixes(self) -> tuple[list[int], list[int]]:
         """What `add_special_tokens=True` puts around a text (e.g. a BOS id), found by comparison."""
