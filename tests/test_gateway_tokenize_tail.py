@@ -103,11 +103,13 @@ def test_leading_cached_segments_are_all_taken_before_the_window(service):
 def test_a_prompt_that_may_exceed_the_limit_is_encoded_exactly(service):
     text = prose(3, 400)
     length = len(full_ids(text))
-    # Far below the limit the estimate is trusted (the rest's bytes cannot reach it)...
-    assert not service.start_prompt_sync(text, max_tokens=10 * length, window_tokens=64).complete
-    # ...near it the prompt is counted whole, and refused on the exact count past it.
-    near = service.start_prompt_sync(text, max_tokens=length + 10, window_tokens=64)
-    assert near.complete and near.ids == full_ids(text) and near.total_tokens == length
+    assert len(text.encode()) > 3 * length  # the byte bound alone would not trust the estimate
+    # Within half the limit the estimate is trusted...
+    assert not service.start_prompt_sync(text, max_tokens=3 * length, window_tokens=64).complete
+    # ...nearer, the prompt is counted whole, and refused on the exact count past the limit.
+    for limit in (3 * length // 2, length + 10):
+        near = service.start_prompt_sync(text, max_tokens=limit, window_tokens=64)
+        assert near.complete and near.ids == full_ids(text) and near.total_tokens == length
     with pytest.raises(PromptTooLong) as refused:
         service.start_prompt_sync(text, max_tokens=length - 1, window_tokens=64)
     assert refused.value.tokens == length

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 # than the text has UTF-8 bytes, and a UTF-8 character is at most 4 bytes: an upper bound of any
 # text's token count that costs nothing to compute.
 MAX_BYTES_PER_CHAR = 4
+# An estimate at most 1/ESTIMATE_MARGIN of the length limit is trusted not to pass it (may_exceed).
+ESTIMATE_MARGIN = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -84,10 +86,15 @@ class PromptEncoding:
         return len(self.ids) + round(self.remaining_chars / self.chars_per_token) + len(self.suffix_ids)
 
     def may_exceed(self, max_tokens: int) -> bool:
-        """Whether the whole prompt could have more than `max_tokens` tokens, by the byte bound:
-        the exact ids so far plus one token per UTF-8 byte of the rest, plus the suffix."""
+        """Whether the whole prompt could have more than `max_tokens` tokens. No when the estimate
+        is within half the limit (it would have to be off by 2x: a text whose rest changes script,
+        say from prose to CJK; and then the engine refuses the prompt itself, so only the
+        gateway's early refusal is lost) or when the byte bound is within it: the exact ids so
+        far plus one token per UTF-8 byte of the rest, plus the suffix."""
         if self.complete:
             return len(self.ids) > max_tokens
+        if self.total_tokens * ESTIMATE_MARGIN <= max_tokens:
+            return False
         fixed = len(self.ids) + len(self.suffix_ids)
         if fixed + self.remaining_chars * MAX_BYTES_PER_CHAR <= max_tokens:
             return False  # cheap: no need to measure the rest's bytes

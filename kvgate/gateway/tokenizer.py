@@ -292,11 +292,7 @@ class TokenizerService:
     async def encode_prompt(
         self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None
     ) -> list[int]:
-        if len(text) <= INLINE_MAX_CHARS:
-            return self.encode_prompt_sync(text, add_special_tokens, max_tokens=max_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool(len(text)), partial(self.encode_prompt_sync, text, add_special_tokens, max_tokens=max_tokens)
-        )
+        return (await self.start_prompt(text, add_special_tokens, max_tokens=max_tokens)).ids
 
     async def encode_chat(
         self,
@@ -307,16 +303,8 @@ class TokenizerService:
         body_bytes: int | None = None,
         max_tokens: int | None = None,
     ) -> list[int]:
-        """Rendering costs per message and per byte of what the template reads, whatever the
-        content's length: many messages, a long body (`body_bytes`, the request's size, when
-        known) or tools/documents are rendered off the event loop."""
-        size = body_bytes if body_bytes is not None else sum(len(str(m.get("content") or "")) for m in messages)
-        if (len(messages) <= INLINE_MAX_MESSAGES and size <= INLINE_MAX_CHARS
-                and inputs.tools is None and inputs.documents is None):
-            return self.encode_chat_sync(messages, inputs, add_special_tokens, max_tokens=max_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool(size), partial(self.encode_chat_sync, messages, inputs, add_special_tokens, max_tokens=max_tokens)
-        )
+        return (await self.start_chat(messages, inputs, add_special_tokens, body_bytes=body_bytes,
+                                      max_tokens=max_tokens)).ids
 
     def _pool(self, chars: int) -> Executor:
         # The Rust tokenizer encodes outside the GIL, so both pools make progress at once.
@@ -344,11 +332,16 @@ class TokenizerService:
     # --- partial encoding: exact leading ids and an estimated length (--tokenize-tail estimate) ---
 
     async def start_prompt(
-        self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None, window_tokens: int | None
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        max_tokens: int | None = None,
+        window_tokens: int | None = None,
     ) -> PromptEncoding:
         """`text` encoded through its cached leading segments and about `window_tokens` tokens of new
         text after them (whole segments); whole when `window_tokens` is None or when the prompt may
-        exceed `max_tokens` (PromptTooLong past it, as encode_prompt)."""
+        exceed `max_tokens` (PromptTooLong past it). Short texts are encoded on the event loop."""
         call = partial(self.start_prompt_sync, text, add_special_tokens, max_tokens=max_tokens,
                        window_tokens=window_tokens)
         if len(text) <= INLINE_MAX_CHARS:
@@ -363,9 +356,12 @@ class TokenizerService:
         *,
         body_bytes: int | None = None,
         max_tokens: int | None = None,
-        window_tokens: int | None,
+        window_tokens: int | None = None,
     ) -> PromptEncoding:
-        """start_prompt over the rendered chat; rendered where encode_chat would render it."""
+        """start_prompt over the rendered chat. Rendering costs per message and per byte of what
+        the template reads, whatever the content's length: many messages, a long body
+        (`body_bytes`, the request's size, when known) or tools/documents are rendered off the
+        event loop."""
         call = partial(self.start_chat_sync, messages, inputs, add_special_tokens, max_tokens=max_tokens,
                        window_tokens=window_tokens)
         size = body_bytes if body_bytes is not None else sum(len(str(m.get("content") or "")) for m in messages)
@@ -375,7 +371,12 @@ class TokenizerService:
         return await asyncio.get_running_loop().run_in_executor(self._pool(size), call)
 
     def start_prompt_sync(
-        self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None, window_tokens: int | None
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        max_tokens: int | None = None,
+        window_tokens: int | None = None,
     ) -> PromptEncoding:
         return self._start(text, add_special_tokens, max_tokens, window_tokens)
 
@@ -386,7 +387,7 @@ class TokenizerService:
         add_special_tokens: bool = False,
         *,
         max_tokens: int | None = None,
-        window_tokens: int | None,
+        window_tokens: int | None = None,
     ) -> PromptEncoding:
         return self._start(self.render_chat(messages, inputs), add_special_tokens, max_tokens, window_tokens)
 
@@ -425,15 +426,17 @@ class TokenizerService:
     def _start(
         self, text: str, add_special_tokens: bool, max_tokens: int | None, window_tokens: int | None
     ) -> PromptEncoding:
-        if window_tokens is None:
+        # A text likely over the limit is counted whole, window by window, in bounded memory.
+        likely_too_long = max_tokens is not None and len(text) > max_tokens * COUNT_FIRST_CHARS_PER_TOKEN
+        if window_tokens is None or likely_too_long:
             return PromptEncoding.exact(self._encode_text(text, add_special_tokens, max_tokens))
         prefix = self._prefix_ids if add_special_tokens else []
         encoding = PromptEncoding(text, self._segmenter.split(text) if self._segmenter else [text],
                                   self._suffix_ids if add_special_tokens else [], list(prefix), len(prefix))
         self._grow(encoding, window_tokens)
         if max_tokens is not None and encoding.may_exceed(max_tokens):
-            # Near or over the limit an estimate could refuse a prompt that fits or let through one
-            # that does not: count exactly (and refuse) as a whole encode does.
+            # Near the limit an estimate could refuse a prompt that fits or let through one that
+            # does not: count exactly (and refuse) as a whole encode does.
             return PromptEncoding.exact(self._encode_text(text, add_special_tokens, max_tokens))
         return encoding
 
