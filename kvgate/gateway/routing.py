@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.config.settings import InstanceRole
 from kvgate.gateway.chat_inputs import chat_template_inputs
@@ -80,6 +80,18 @@ class RoutePlan:
         return predictions[instance_id] if predictions is not None and instance_id in predictions else None
 
 
+@dataclass(slots=True)
+class _Found:
+    """What _look_up learnt: the prompt's exact full blocks, their keys, the store's answer and
+    the time spent asking it and tokenizing further."""
+
+    blocks: list[BlockHash] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    lookup: KVSLookup | None = None
+    kvs_s: float = 0.0
+    extending_s: float = 0.0
+
+
 def split_by_role(candidates: Sequence[Candidate]) -> dict[InstanceRole, tuple[Candidate, ...]]:
     return {role: tuple(c for c in candidates if c.role == role) for role in InstanceRole}
 
@@ -125,34 +137,17 @@ class RoutePlanner:
 
         started = time.perf_counter()
         wants_kvs = self._scheduler.wants_kvs(encoding.total_tokens)
-        blocks: list[BlockHash] = []
-        keys: list[str] = []
-        lookup: KVSLookup | None = None
-        kvs_elapsed = 0.0
-        window = self._window.first_window(request) or 0
-        while True:
-            if wants_kvs or explain:
-                blocks = await self._block_hashes(self._window.hashable_ids(encoding))
-                keys = self._scheduler.block_keys(blocks) if blocks else []
-            if keys and wants_kvs:
-                lookup = await self._kvs.lookup(keys)
-                kvs_elapsed += lookup.elapsed_s
-            if not (wants_kvs and self._window.should_extend(encoding, keys, lookup, self._kvs.max_query_blocks)):
-                break
-            # The store knows more of this prompt than the tokenize cache: tokenize further.
-            window *= 2
-            extending = time.perf_counter()
-            await self._tokenizer.extend(encoding, window)
-            tokenize_s += time.perf_counter() - extending
-            self._window.metrics.extensions.inc()
-        self._stage["tokenize"].observe(tokenize_s)
+        found = await self._look_up(request, encoding, wants_kvs, explain)
+        self._stage["tokenize"].observe(tokenize_s + found.extending_s)
+        lookup = found.lookup
         locations: Sequence[Sequence[str]] | None = None
         disk_locations: Sequence[Sequence[str]] | None = None
         kvs_status: LookupStatus = "skipped" if lookup is None else lookup.status
         if lookup is not None:
             if lookup.status == "ok":
                 locations, disk_locations = lookup.locations, lookup.disk_locations
-            self._stage["kvs"].observe(kvs_elapsed)
+            self._stage["kvs"].observe(found.kvs_s)
+        blocks, keys, kvs_elapsed = found.blocks, found.keys, found.kvs_s
 
         num_prompt_tokens = encoding.total_tokens
         # Candidates are read after the lookup's await so the loads are as fresh as possible.
@@ -175,14 +170,37 @@ class RoutePlanner:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
             decision = self._scheduler.decide(num_prompt_tokens, blocks, locations, candidates,
                                               disk_locations=disk_locations, dry_run=explain)
-        schedule_s = time.perf_counter() - started - kvs_elapsed
+        schedule_s = time.perf_counter() - started - kvs_elapsed - found.extending_s
         self._stage["schedule"].observe(max(schedule_s, 0.0))
-        if not encoding.complete:
+        if not encoding.complete and not explain:  # the debug route only looks
             self._window.metrics.estimated_prompts.inc()
-            if not explain:  # the debug route only looks
-                self._window.complete_later(self._tokenizer, encoding)
+            self._window.complete_later(self._tokenizer, encoding)
         return RoutePlan(encoding.ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd,
                          num_prompt_tokens, not encoding.complete)
+
+    async def _look_up(self, request: ParsedRequest, encoding: PromptEncoding, wants_kvs: bool,
+                       explain: bool) -> _Found:
+        """Hash the exact full blocks and ask the store (when it can change the decision; the
+        debug route hashes always). While the store holds the last block asked of a partial
+        prompt, tokenize a window twice the last one and ask again."""
+        found = _Found()
+        window = self._window.first_window(request) or 0  # a partial prompt had a first window
+        while True:
+            if wants_kvs or explain:
+                found.blocks = await self._block_hashes(self._window.hashable_ids(encoding))
+                found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
+            if found.keys and wants_kvs:
+                found.lookup = await self._kvs.lookup(found.keys)
+                found.kvs_s += found.lookup.elapsed_s
+            if not (wants_kvs and self._window.should_extend(encoding, found.keys, found.lookup,
+                                                             self._kvs.max_query_blocks)):
+                return found
+            # The store knows more of this prompt than the tokenize cache: tokenize further.
+            window *= 2
+            extending = time.perf_counter()
+            await self._tokenizer.extend(encoding, window)
+            found.extending_s += time.perf_counter() - extending
+            self._window.metrics.extensions.inc()
 
     async def _encoding(self, request: ParsedRequest) -> PromptEncoding:
         # A batched completion is routed on its first prompt, as one engine request. Splitting it
