@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # A byte-level tokenizer (BPE over bytes, SentencePiece with byte fallback) never makes more tokens
 # than the text has UTF-8 bytes, and a UTF-8 character is at most 4 bytes: an upper bound of any
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 MAX_BYTES_PER_CHAR = 4
 # An estimate at most 1/ESTIMATE_MARGIN of the length limit is trusted not to pass it (may_exceed).
 ESTIMATE_MARGIN = 2
+# Before any of a text is encoded, its first window is sized at prose's ratio (about 4).
+PROSE_CHARS_PER_TOKEN = 4.0
 
 
 @dataclass(slots=True, eq=False)
@@ -32,12 +34,9 @@ class PromptEncoding:
     suffix_ids: Sequence[int]
     ids: list[int]
     # The special-token prefix's length: those ids carry no characters of the text.
-    affix_tokens: int
+    prefix_tokens: int
     encoded_segments: int = 0
     encoded_chars: int = 0
-    # Characters per token of the exact part, for sizing the next window of a text with none yet.
-    default_chars_per_token: float = 4.0
-    _suffix_added: bool = field(default=False, repr=False)
 
     @classmethod
     def exact(cls, ids: list[int]) -> PromptEncoding:
@@ -49,14 +48,13 @@ class PromptEncoding:
         return self.encoded_segments >= len(self.segments)
 
     def add(self, parts: Sequence[array]) -> None:
-        """The ids of the next `len(parts)` segments."""
+        """The ids of the next `len(parts)` segments (at least one)."""
         for part in parts:
             self.ids.extend(part)
             self.encoded_chars += len(self.segments[self.encoded_segments])
             self.encoded_segments += 1
-        if self.complete and not self._suffix_added:
+        if self.complete:  # just now: the last segment was among `parts`
             self.ids.extend(self.suffix_ids)
-            self._suffix_added = True
 
     @property
     def remaining_chars(self) -> int:
@@ -65,9 +63,9 @@ class PromptEncoding:
     @property
     def chars_per_token(self) -> float:
         """Of the text encoded so far (special tokens left out)."""
-        text_tokens = len(self.ids) - self.affix_tokens
+        text_tokens = len(self.ids) - self.prefix_tokens
         if self.encoded_chars == 0 or text_tokens <= 0:
-            return self.default_chars_per_token
+            return PROSE_CHARS_PER_TOKEN
         return self.encoded_chars / text_tokens
 
     @property
