@@ -38,7 +38,8 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, KVSAnswer, KVSAnswerTooLarge, KVSQueryError
+from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
+from kvgate.kvs_client.bounded_read import read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class MooncakeMasterBackend:
         self._session: aiohttp.ClientSession | None = None
         self._warned_unaskable = False
 
-    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+    async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
+        # Keyed by kvgate's block keys: the prompt they were hashed from is not needed.
         askable = list(dict.fromkeys(key for key in keys if _UNASKABLE not in key))
         if len(askable) < len(set(keys)) and not self._warned_unaskable:
             self._warned_unaskable = True
@@ -146,7 +148,7 @@ class MooncakeMasterBackend:
     async def _query_batch(self, batch: BatchRequest) -> KVSAnswer:
         try:
             async with self._open_session().get(URL(batch.url, encoded=True)) as response:
-                body = await self._read_bounded(response)
+                body = await read_bounded(response, self.max_answer_bytes, f"GET {self.base_url}{QUERY_PATH}")
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: {type(exc).__name__}: {exc}") from exc
@@ -157,19 +159,6 @@ class MooncakeMasterBackend:
         except orjson.JSONDecodeError as exc:
             raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: invalid JSON: {exc}") from exc
         return self._parse(document, batch.keys)
-
-    async def _read_bounded(self, response: aiohttp.ClientResponse) -> bytes:
-        limit = self.max_answer_bytes
-        too_large = KVSAnswerTooLarge(f"GET {self.base_url}{QUERY_PATH}: answer longer than {limit} bytes "
-                                      "(--kvs-max-answer-bytes)")
-        if response.content_length is not None and response.content_length > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in response.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        return bytes(body)
 
     def _parse(self, document: Any, keys: list[str]) -> KVSAnswer:
         if not isinstance(document, dict) or document.get("success") is not True:

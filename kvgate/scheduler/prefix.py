@@ -2,14 +2,16 @@
 
 The store names transport endpoints ("127.0.0.2:17901"), not instances. Each instance lists the
 endpoints that hold its cache (`kvs_endpoints`): a bare IP matches that host on any port (the
-port of a transfer engine is often chosen at run time), "IP:port" matches exactly.
+port of a transfer engine is often chosen at run time), "IP:port" matches exactly. The Conductor
+indexer names its registered instances (`instance_id`) instead: there an instance without
+`kvs_endpoints` is known by its own id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from kvgate.config.settings import InstanceConfig
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.scheduler.hashing import BlockHash
 
 
@@ -36,11 +38,13 @@ class EndpointMap:
         self.resolved = _ResolvedEndpoints(self)  # endpoint -> instances, filled on first use
 
     @classmethod
-    def from_instances(cls, instances: Sequence[InstanceConfig]) -> EndpointMap:
+    def from_instances(cls, instances: Sequence[InstanceConfig], own_id_by_default: bool = False) -> EndpointMap:
+        """`own_id_by_default`: an instance without kvs_endpoints is reported under its own id."""
         by_endpoint: dict[str, set[str]] = {}
         by_host: dict[str, set[str]] = {}
         for instance in instances:
-            for entry in instance.kvs_endpoints:
+            entries = instance.kvs_endpoints or ((instance.id,) if own_id_by_default else ())
+            for entry in entries:
                 host, port = split_endpoint(entry)
                 if port is None:
                     by_host.setdefault(host, set()).add(instance.id)
@@ -58,6 +62,11 @@ class EndpointMap:
         host, port = split_endpoint(endpoint)
         exact = self.by_endpoint.get(f"{host}:{port}", frozenset()) if port else frozenset()
         return exact | self.by_host.get(host, frozenset())
+
+
+def endpoint_map(settings: Settings, instances: Sequence[InstanceConfig]) -> EndpointMap:
+    """The map for the store in use: the Conductor indexer reports instance ids, not hosts."""
+    return EndpointMap.from_instances(instances, own_id_by_default=settings.kvs_backend == KVSBackendName.CONDUCTOR)
 
 
 class _ResolvedEndpoints(dict[str, frozenset[str]]):
