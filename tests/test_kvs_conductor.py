@@ -14,6 +14,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvgate.cli import main
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.kvs_client import HashedPrompt, KVSQueryError, ResilientKVSClient, make_backend, make_kvs_client
 from kvgate.kvs_client.conductor_indexer import InstancePrefix, parse_answer, to_key_view
@@ -276,3 +277,18 @@ def test_the_indexer_url_must_be_http():
     with pytest.raises(ValueError, match="http"):
         Settings(kvs_backend=KVSBackendName.CONDUCTOR, kvs_conductor_url="127.0.0.1:13333")
     assert Settings(kvs_conductor_url="http://indexer:13333/").kvs_conductor_url == "http://indexer:13333"
+
+
+def test_check_config_names_the_indexer_and_the_ids_it_knows_instances_by(tmp_path, capsys):
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("instances:\n"
+                      "  - {id: a, url: 'http://127.0.0.1:8001', model: qwen}\n"
+                      "  - {id: b, url: 'http://127.0.0.1:8002', model: qwen, kvs_endpoints: [engine-b-dp]}\n")
+    argv = ["serve", "--config", str(config), "--kvs-backend", "conductor", "--kvs-conductor-url",
+            "http://127.0.0.1:13333", "--kvs-conductor-tenant", "team-a", "--check-config"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "kv store:    conductor indexer http://127.0.0.1:13333, tenant team-a, model the request's" in out
+    assert "kvs_endpoints=a" in out and "kvs_endpoints=engine-b-dp" in out
+    assert main(argv[:-3] + ["--kvs-conductor-url", "indexer:13333", "--check-config"]) == 2
+    assert "--kvs-conductor-url (from command line)" in capsys.readouterr().err
