@@ -47,7 +47,7 @@ import aiohttp
 import orjson
 
 from kvgate.kvs_client.base import Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
-from kvgate.kvs_client.bounded_read import read_bounded
+from kvgate.kvs_client.http_store import StoreSession, read_bounded
 
 QUERY_PATH = "/query"
 _MEMORY_MEDIA = frozenset({"gpu", "npu", "hbm", "device", "cpu", "cpu_pinned", "host", "dram"})
@@ -73,15 +73,13 @@ class ConductorIndexerBackend:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.block_size = block_size
-        self.request_timeout_s = request_timeout_s
         self.tenant = tenant
         self.model = model  # "" = the request's
         self.lora_name = lora_name
         self.cache_salt = cache_salt
         self.include_disk_tier = include_disk_tier
         self.max_answer_bytes = max_answer_bytes
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._session = StoreSession(max_connections=max_connections, request_timeout_s=request_timeout_s)
 
     async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
         if prompt is None:
@@ -111,23 +109,12 @@ class ConductorIndexerBackend:
         return body
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    def _open_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                raise_for_status=False,
-            )
-        return self._session
+        await self._session.close()
 
     async def _post(self, body: dict[str, Any]) -> Any:
         what = f"POST {self.base_url}{QUERY_PATH}"
         try:
-            async with self._open_session().post(
+            async with self._session.get().post(
                 self.base_url + QUERY_PATH, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
             ) as response:
                 answer = await read_bounded(response, self.max_answer_bytes, what)

@@ -39,7 +39,7 @@ import orjson
 from yarl import URL
 
 from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
-from kvgate.kvs_client.bounded_read import read_bounded
+from kvgate.kvs_client.http_store import StoreSession, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,9 @@ class MooncakeMasterBackend:
     ) -> None:
         self.max_answer_bytes = max_answer_bytes
         self.base_url = base_url.rstrip("/")
-        self.request_timeout_s = request_timeout_s
         self.max_url_bytes = max_url_bytes
         self.include_disk_tier = include_disk_tier
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._session = StoreSession(max_connections=max_connections, request_timeout_s=request_timeout_s)
         self._warned_unaskable = False
 
     async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
@@ -112,9 +110,7 @@ class MooncakeMasterBackend:
         return KVSAnswer(locations, disk_locations)
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._session.close()
 
     def plan_requests(self, keys: Sequence[str]) -> list[BatchRequest]:
         """Group keys so each request URL stays under max_url_bytes (a lone huge key goes alone)."""
@@ -136,18 +132,9 @@ class MooncakeMasterBackend:
             batches.append(BatchRequest(batch_keys, prefix + ",".join(encoded)))
         return batches
 
-    def _open_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                raise_for_status=False,
-            )
-        return self._session
-
     async def _query_batch(self, batch: BatchRequest) -> KVSAnswer:
         try:
-            async with self._open_session().get(URL(batch.url, encoded=True)) as response:
+            async with self._session.get().get(URL(batch.url, encoded=True)) as response:
                 body = await read_bounded(response, self.max_answer_bytes, f"GET {self.base_url}{QUERY_PATH}")
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:
