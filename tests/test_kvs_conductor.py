@@ -61,15 +61,15 @@ async def test_the_query_carries_the_documented_fields(conductor):
     client = make_kvs_client(settings)
     keys = keys_of(settings, PROMPT)
     assert (await client.lookup(keys, PROMPT, MODEL)).status == "ok"
-    # No instance_id: every instance registered under the tenant answers.
-    assert conductor.requests[-1] == {"model": MODEL, "token_ids": PROMPT, "block_size": CHUNK,
+    # Complete blocks only, and no instance_id: every instance registered under the tenant answers.
+    assert conductor.requests[-1] == {"model": MODEL, "token_ids": PROMPT[: 4 * CHUNK], "block_size": CHUNK,
                                       "tenant_id": "team-a", "lora_name": "sql-adapter", "cache_salt": "w8a8"}
     await client.close()
 
     # Unset LoRA and salt are left out (the base model, no salt); a configured model wins over the request's.
     client = make_kvs_client(settings_for(conductor.url, kvs_conductor_model="registered-name"))
     await client.lookup(keys, PROMPT, MODEL)
-    assert conductor.requests[-1] == {"model": "registered-name", "token_ids": PROMPT, "block_size": CHUNK,
+    assert conductor.requests[-1] == {"model": "registered-name", "token_ids": PROMPT[: 4 * CHUNK], "block_size": CHUNK,
                                       "tenant_id": "default"}
     await client.close()
 

@@ -84,10 +84,12 @@ class ConductorIndexerBackend:
     async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
         if prompt is None:
             raise KVSQueryError("the Conductor indexer is asked by token ids and this lookup carries none")
-        # Only the tokens of the asked keys' blocks (the lookup may ask fewer blocks than the prompt has).
-        token_ids = prompt.token_ids[: len(keys) * self.block_size]
-        if len(token_ids) < self.block_size:
-            return KVSAnswer({}, {})  # no complete block: the indexer would match nothing
+        # The complete blocks among the asked keys' (the lookup may ask fewer blocks than the prompt
+        # has); the indexer ignores a partial block anyway.
+        complete_blocks = min(len(keys), len(prompt.token_ids) // self.block_size)
+        if not complete_blocks:
+            return KVSAnswer({}, {})
+        token_ids = prompt.token_ids[: complete_blocks * self.block_size]
         model = self.model or prompt.model
         if not model:
             raise KVSQueryError("no model to ask the Conductor indexer for: set kvs_conductor_model")
