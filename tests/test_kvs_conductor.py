@@ -265,6 +265,17 @@ async def test_a_failing_indexer_is_marked_down_skipped_then_probed_back(conduct
     await client.close()
 
 
+async def test_a_slow_indexer_costs_a_lookup_its_budget_only(conductor):
+    conductor.store("a", PROMPT, "gpu", model=MODEL, block_size=CHUNK)
+    conductor.delay_s = 0.5
+    settings = settings_for(conductor.url, kvs_query_budget_ms=100)
+    client = make_kvs_client(settings)
+    lookup = await client.lookup(keys_of(settings, PROMPT), PROMPT, MODEL)
+    assert (lookup.status, lookup.locations) == ("error", [()] * 5)
+    assert client.last_error == "time budget exhausted"
+    await client.close()
+
+
 async def test_an_unreachable_indexer_is_an_error_lookup():
     settings = settings_for(closed_port_url())
     client = make_kvs_client(settings)
