@@ -272,7 +272,8 @@ async def test_a_slow_indexer_costs_a_lookup_its_budget_only(conductor):
     client = make_kvs_client(settings)
     lookup = await client.lookup(keys_of(settings, PROMPT), PROMPT, MODEL)
     assert (lookup.status, lookup.locations) == ("error", [()] * 5)
-    assert client.last_error == "time budget exhausted"
+    # The budget or the session's own timeout (set to the budget) ends the call, whichever fires first.
+    assert client.last_error in ("time budget exhausted", f"KVSQueryError: POST {conductor.url}/query: TimeoutError: ")
     await client.close()
 
 
