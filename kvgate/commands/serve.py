@@ -17,6 +17,7 @@ from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, KVSBackendName, Settings
+from kvgate.scheduler.prefix import names_in_store
 from kvgate.scheduler.registry import check_settings
 
 
@@ -89,10 +90,8 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
         f", account sync {'on' if settings.account_sync else 'off'}",
         f"  instances:   {len(settings.instances)}",
     ]
-    # The Conductor indexer reports an instance without kvs_endpoints under the instance's own id.
-    by_own_id = settings.kvs_backend == KVSBackendName.CONDUCTOR
     for instance in settings.instances:
-        endpoints = ",".join(instance.kvs_endpoints or ((instance.id,) if by_own_id else ())) or "-"
+        endpoints = ",".join(names_in_store(settings, instance)) or "-"
         lines.append(f"    {instance.id}: {redact_url(instance.url)} model={instance.model} role={instance.role.value}"
                      f" kvs_endpoints={endpoints}")
     if not settings.tokenizer and any(_foreign_model(i.model) for i in settings.instances):

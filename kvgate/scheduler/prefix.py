@@ -9,7 +9,9 @@ indexer names its registered instances (`instance_id`) instead: there an instanc
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
+from operator import attrgetter
 
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.scheduler.hashing import BlockHash
@@ -38,13 +40,16 @@ class EndpointMap:
         self.resolved = _ResolvedEndpoints(self)  # endpoint -> instances, filled on first use
 
     @classmethod
-    def from_instances(cls, instances: Sequence[InstanceConfig], own_id_by_default: bool = False) -> EndpointMap:
-        """`own_id_by_default`: an instance without kvs_endpoints is reported under its own id."""
+    def from_instances(
+        cls,
+        instances: Sequence[InstanceConfig],
+        names: Callable[[InstanceConfig], tuple[str, ...]] = attrgetter("kvs_endpoints"),
+    ) -> EndpointMap:
+        """`names`: the endpoints the store reports an instance's blocks under (its kvs_endpoints)."""
         by_endpoint: dict[str, set[str]] = {}
         by_host: dict[str, set[str]] = {}
         for instance in instances:
-            entries = instance.kvs_endpoints or ((instance.id,) if own_id_by_default else ())
-            for entry in entries:
+            for entry in names(instance):
                 host, port = split_endpoint(entry)
                 if port is None:
                     by_host.setdefault(host, set()).add(instance.id)
@@ -64,9 +69,17 @@ class EndpointMap:
         return exact | self.by_host.get(host, frozenset())
 
 
+def names_in_store(settings: Settings, instance: InstanceConfig) -> tuple[str, ...]:
+    """What the store in use calls the instance: its kvs_endpoints, or, for the Conductor indexer
+    (which reports instance ids, not hosts), by default its own id."""
+    if instance.kvs_endpoints or settings.kvs_backend != KVSBackendName.CONDUCTOR:
+        return instance.kvs_endpoints
+    return (instance.id,)
+
+
 def endpoint_map(settings: Settings, instances: Sequence[InstanceConfig]) -> EndpointMap:
-    """The map for the store in use: the Conductor indexer reports instance ids, not hosts."""
-    return EndpointMap.from_instances(instances, own_id_by_default=settings.kvs_backend == KVSBackendName.CONDUCTOR)
+    """The map for the store in use."""
+    return EndpointMap.from_instances(instances, partial(names_in_store, settings))
 
 
 class _ResolvedEndpoints(dict[str, frozenset[str]]):
