@@ -164,11 +164,12 @@ async def test_other_tenants_and_instances_outside_the_fleet_are_not_hits(conduc
     conductor.store("z", PROMPT, "gpu", model=MODEL, block_size=CHUNK, tenant="other-team")
     conductor.store("engine-b-dp", PROMPT[: 3 * CHUNK], "cpu", model=MODEL, block_size=CHUNK)
     conductor.store("ghost", PROMPT, "gpu", model=MODEL, block_size=CHUNK)
+    conductor.store("b", PROMPT, "gpu", model=MODEL, block_size=CHUNK)  # not b's name: it has kvs_endpoints
     conductor.store("a", PROMPT, "gpu", model="another-model", block_size=CHUNK)
     settings = settings_for(conductor.url)
     client = make_kvs_client(settings)
     lookup = await client.lookup(keys_of(settings, PROMPT), PROMPT, MODEL)
-    assert lookup.locations[0] == ("a", "engine-b-dp", "ghost")  # tenant "default" only
+    assert lookup.locations[0] == ("a", "b", "engine-b-dp", "ghost")  # tenant "default" only
 
     # Instances are known by their own id, or by the indexer ids their kvs_endpoints name; an id
     # no instance claims ("ghost") is no one's hit.
