@@ -128,6 +128,18 @@ async def test_media_become_memory_and_disk_holders_per_block(conductor, case):
     await client.close()
 
 
+async def test_an_eviction_the_indexer_hears_of_ends_the_hit(conductor):
+    conductor.store("a", PROMPT, "gpu", model=MODEL, block_size=CHUNK)
+    conductor.store("a", PROMPT[: 2 * CHUNK], "cpu", model=MODEL, block_size=CHUNK)
+    settings = settings_for(conductor.url)
+    client = make_kvs_client(settings)
+    keys = keys_of(settings, PROMPT)
+    assert (await client.lookup(keys, PROMPT, MODEL)).hit_count == 4
+    conductor.remove("a", PROMPT, "gpu", model=MODEL, block_size=CHUNK)
+    assert (await client.lookup(keys, PROMPT, MODEL)).locations == [("a",), ("a",), (), (), ()]
+    await client.close()
+
+
 # Answers the double does not produce but the documented contract allows (and the cumulative
 # GPU -> CPU -> DISK boundaries some Conductor versions report): instance entry -> (memory, held).
 ANSWER_CASES = {
