@@ -124,7 +124,7 @@ class RoutePlanner:
         kvs_status: LookupStatus = "skipped"
         kvs_elapsed = 0.0
         if keys and wants_kvs:
-            lookup = await self._kvs.lookup(keys)
+            lookup = await self._kvs.lookup(keys, prompt_ids, request.model)
             kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
             if lookup.status == "ok":
                 locations, disk_locations = lookup.locations, lookup.disk_locations
