@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import Settings
-from kvgate.kvs_client import SHARED_STORAGE, KVSAnswer, ResilientKVSClient
+from kvgate.kvs_client import SHARED_STORAGE, HashedPrompt, KVSAnswer, ResilientKVSClient
 from kvgate.kvs_client.mooncake import MooncakeMasterBackend
 from kvgate.metrics.definitions import kvs_metrics
 
@@ -240,7 +240,7 @@ async def test_success_resets_the_failure_count(fake_master):
 class BrokenBackend:
     name = "broken"
 
-    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+    async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
         raise RuntimeError("a bug in a backend")
 
     async def close(self) -> None:

@@ -16,7 +16,8 @@ from kvgate.config.api_keys import load_api_keys
 from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import check_pd_serving
-from kvgate.config.settings import DebugRoutes, Settings
+from kvgate.config.settings import DebugRoutes, KVSBackendName, Settings
+from kvgate.scheduler.prefix import names_in_store
 from kvgate.scheduler.registry import check_settings
 
 
@@ -79,8 +80,7 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
         f"  listen:      {settings.host}:{settings.port}",
         f"  policy:      {settings.effective_policy}"
         f" (cache aware from {settings.cache_aware_scheduling_min_tokens} tokens)",
-        f"  kv store:    {settings.kvs_backend.value}, {settings.kvs_hash_algo.value},"
-        f" chunk {settings.kvs_chunk_size}, keys {settings.kvs_key_format}",
+        f"  kv store:    {_kv_store(settings)}",
         f"  tokenizer:   {describe_tokenizer(settings.tokenizer, settings.chat_template, tokenizer)}",
         f"  admin:       {'enabled' if settings.admin_token else 'disabled'}",
         f"  clients:     {_client_access(settings)}; debug routes {settings.debug_routes.value};"
@@ -91,13 +91,23 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
         f"  instances:   {len(settings.instances)}",
     ]
     for instance in settings.instances:
-        endpoints = ",".join(instance.kvs_endpoints) or "-"
+        endpoints = ",".join(names_in_store(settings, instance)) or "-"
         lines.append(f"    {instance.id}: {redact_url(instance.url)} model={instance.model} role={instance.role.value}"
                      f" kvs_endpoints={endpoints}")
     if not settings.tokenizer and any(_foreign_model(i.model) for i in settings.instances):
         lines.append("  warning:     no tokenizer is configured but the instances serve other models: unless "
                      "they use the default tokenizer, no prefix hit will ever be found (set tokenizer)")
     return "\n".join(lines)
+
+
+def _kv_store(settings: Settings) -> str:
+    if settings.kvs_backend == KVSBackendName.CONDUCTOR:
+        # The indexer hashes token ids itself: kvgate's algorithm, seed and key format play no part.
+        model = settings.kvs_conductor_model or "the request's"
+        return (f"conductor indexer {settings.kvs_conductor_url}, tenant {settings.kvs_conductor_tenant},"
+                f" model {model}, block size {settings.kvs_chunk_size}")
+    return (f"{settings.kvs_backend.value}, {settings.kvs_hash_algo.value}, chunk {settings.kvs_chunk_size},"
+            f" keys {settings.kvs_key_format}")
 
 
 def _foreign_model(model: str) -> bool:

@@ -23,6 +23,7 @@ class KVSBackendName(StrEnum):
     MOONCAKE = "mooncake"
     REDIS = "redis"
     EMBEDDED = "embedded"
+    CONDUCTOR = "conductor"  # Mooncake's Conductor KV indexer (POST /query by token ids)
 
 
 class HashAlgo(StrEnum):
@@ -177,8 +178,20 @@ class Settings(BaseModel):
         131072, ge=1024, description="Longer Mooncake batch_query_keys URLs are split into concurrent requests."
     )
     kvs_query_disk_tier: bool = Field(
-        False, description="Also report blocks on Mooncake's disk tiers (local SSD, NVMe-oF, shared storage)."
+        False, description="Also report blocks on disk tiers (Mooncake: local SSD, NVMe-oF, shared storage; "
+        "Conductor indexer: DISK and unknown media).",
     )
+
+    # --- KV store: Mooncake's Conductor indexer, --kvs-backend conductor (docs/KVS.md) ---
+    kvs_conductor_url: str = Field(
+        "http://127.0.0.1:13333", description="Base URL of the Conductor indexer's HTTP server (POST /query)."
+    )
+    kvs_conductor_tenant: str = Field("default", min_length=1, description="tenant_id asked of the indexer.")
+    kvs_conductor_model: str = Field(
+        "", description="Model name the engines registered with the indexer; empty: the request's model."
+    )
+    kvs_conductor_lora_name: str = Field("", description="lora_name asked of the indexer; empty: the base model.")
+    kvs_conductor_cache_salt: str = Field("", description="cache_salt asked of the indexer; empty: none.")
 
     # --- gateway ---
     host: str = "127.0.0.1"
@@ -523,6 +536,13 @@ class Settings(BaseModel):
         if self.account_sync and self.account_sync_ttl_s <= 2 * self.account_sync_interval_s:
             raise ValueError("account_sync_ttl_s must exceed twice account_sync_interval_s")
         return self
+
+    @field_validator("kvs_conductor_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL")
+        return value.rstrip("/")
 
     @model_validator(mode="after")
     def _valid_pd_fleet(self) -> Settings:

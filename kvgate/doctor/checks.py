@@ -23,7 +23,7 @@ from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.engine_stats import parse_engine_stats
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
-from kvgate.scheduler.prefix import EndpointMap
+from kvgate.scheduler.prefix import endpoint_map as endpoint_map_for
 
 # The store check's prompt: this many full blocks and half a block more.
 PROBE_BLOCKS = 4
@@ -64,11 +64,14 @@ class Doctor:
         if backend == KVSBackendName.EMBEDDED:
             return CheckResult(name, "store", False, "the embedded index lives inside the gateway's process",
                                "check a deployment that uses mooncake or redis")
-        lookup = await self._kvs.lookup(["kvgate-doctor-probe"])
+        # One block, as a key and as token ids (the Conductor indexer is asked by token ids).
+        model = self._settings.instances[0].model if self._settings.instances else "kvgate-doctor"
+        lookup = await self._kvs.lookup(["kvgate-doctor-probe"], fresh_token_prompt(self._settings.kvs_chunk_size),
+                                        model)
         if lookup.status == "ok":
             return CheckResult(name, "store", True, f"answered in {lookup.elapsed_s * 1000:.1f} ms")
-        where = ("kvs_redis_url" if backend == KVSBackendName.REDIS
-                 else "kvs_metadata_service_http_server_host and _port (the master's admin port)")
+        where = {KVSBackendName.REDIS: "kvs_redis_url", KVSBackendName.CONDUCTOR: "kvs_conductor_url"}.get(
+            backend, "kvs_metadata_service_http_server_host and _port (the master's admin port)")
         return CheckResult(name, "store", False, f"lookup status {lookup.status}",
                            f"start the store, or fix {where} in the config")
 
@@ -160,11 +163,13 @@ class Doctor:
     async def _probe_blocks(self, instance: InstanceConfig, prompt: list[int]) -> CheckResult:
         name = "block keys in store"
         expected = gateway_keys(self._settings, prompt)
-        variants = key_variants(self._settings, prompt, instance.model)
+        # The indexer hashes the token ids itself: kvgate's hashing variants cannot explain a miss there.
+        by_tokens = self._settings.kvs_backend == KVSBackendName.CONDUCTOR
+        variants = [] if by_tokens else key_variants(self._settings, prompt, instance.model)
         asked = expected + [key for variant in variants for key in variant.keys]
         deadline = time.monotonic() + self._store_wait_s
         while True:
-            lookup = await self._kvs.lookup(asked)
+            lookup = await self._kvs.lookup(asked, prompt, instance.model)
             held = {key: endpoints for key, endpoints in zip(asked, lookup.locations, strict=True) if endpoints}
             if all(key in held for key in expected):
                 return self._placement(instance, [held[key] for key in expected])
@@ -181,6 +186,13 @@ class Doctor:
                 break
             await asyncio.sleep(_POLL_S)
         partial = sum(1 for key in expected if key in held)
+        if by_tokens:
+            return CheckResult(
+                name, instance.id, False,
+                f"the indexer holds {partial} of the probe's {len(expected)} blocks after {self._store_wait_s:g} s",
+                "register the engine's KV events with the indexer (POST /register) under this instance's id "
+                "(or its kvs_endpoints), model (or kvs_conductor_model), block size kvs_chunk_size and tenant "
+                "kvs_conductor_tenant")
         return CheckResult(
             name, instance.id, False,
             f"{partial} of the probe's {len(expected)} blocks found after {self._store_wait_s:g} s, under no "
@@ -191,7 +203,7 @@ class Doctor:
 
     def _placement(self, instance: InstanceConfig, locations: Sequence[Sequence[str]]) -> CheckResult:
         """All keys found: they must be at an endpoint that kvs_endpoints maps to this instance."""
-        endpoint_map = EndpointMap.from_instances([instance])
+        endpoint_map = endpoint_map_for(self._settings, [instance])
         seen = sorted({endpoint for endpoints in locations for endpoint in endpoints})
         if all(any(instance.id in endpoint_map.instances_at(e) for e in endpoints) for endpoints in locations):
             return CheckResult("block keys in store", instance.id, True,

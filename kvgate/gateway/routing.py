@@ -186,11 +186,12 @@ class RoutePlanner:
         found = _Found()
         window = self._window.first_window(request) or 0  # a partial prompt had a first window
         while True:
+            hashable = self._window.hashable_ids(encoding)
             if wants_kvs or explain:
-                found.blocks = await self._block_hashes(self._window.hashable_ids(encoding))
+                found.blocks = await self._block_hashes(hashable)
                 found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
             if found.keys and wants_kvs:
-                found.lookup = await self._kvs.lookup(found.keys)
+                found.lookup = await self._kvs.lookup(found.keys, hashable, request.model)
                 found.kvs_s += found.lookup.elapsed_s
             if not (wants_kvs and self._window.should_extend(encoding, found.keys, found.lookup,
                                                              self._kvs.max_query_blocks)):

@@ -1,12 +1,15 @@
-"""KV store clients: which endpoints hold a request's blocks (Mooncake master, Redis, embedded).
+"""KV store clients: which endpoints hold a request's blocks (Mooncake master, Redis, embedded,
+Mooncake's Conductor indexer).
 
-Callers use `make_kvs_client(settings)` and `await client.lookup(keys)`, which always returns a
-KVSLookup within the time budget (see resilient.py). docs/KVS.md describes the backends.
+Callers use `make_kvs_client(settings)` and `await client.lookup(keys, token_ids, model)`, which
+always returns a KVSLookup within the time budget (see resilient.py). docs/KVS.md describes the
+backends.
 """
 
 from kvgate.kvs_client.base import (
     SHARED_STORAGE,
     Endpoints,
+    HashedPrompt,
     KVSAnswer,
     KVSBackend,
     KVSLookup,
@@ -20,6 +23,7 @@ __all__ = [
     "SHARED_STORAGE",
     "EmbeddedKVSIndex",
     "Endpoints",
+    "HashedPrompt",
     "KVSAnswer",
     "KVSBackend",
     "KVSLookup",

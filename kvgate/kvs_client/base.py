@@ -1,12 +1,16 @@
 """The one question kvgate asks a KV store: which endpoints hold these block keys?
 
-Backends (Mooncake master, Redis index, embedded index) implement `KVSBackend`: one `query`
-that either answers for every asked key or raises `KVSQueryError`. They do no retrying and
+Backends (Mooncake master, Redis index, embedded index, Conductor indexer) implement `KVSBackend`:
+one `query` that either answers for every asked key or raises `KVSQueryError`. They do no retrying and
 no down-gating; ResilientKVSClient adds that once for all of them and turns every outcome
 into a `KVSLookup`, which is what the rest of kvgate sees.
 
 An endpoint is the "IP:port" string the store reports for the host holding the block
-(Mooncake's `transport_endpoint_`); mapping endpoints to instances is the scheduler's job.
+(Mooncake's `transport_endpoint_`; the Conductor indexer reports its `instance_id`s instead);
+mapping endpoints to instances is the scheduler's job.
+
+A query also carries the prompt the keys were hashed from (`HashedPrompt`), for a store that hashes
+token ids itself (the Conductor indexer). Stores keyed by kvgate's block keys ignore it.
 """
 
 from __future__ import annotations
@@ -44,11 +48,21 @@ class KVSAnswer:
     disk_locations: Mapping[str, Endpoints] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    """The token ids a lookup's keys were computed from: key i covers the i-th chunk of them
+    (the ids may stop short of the prompt, but cover every asked key's chunk). `model`: the
+    request's model, "" when unknown."""
+
+    token_ids: Sequence[int]
+    model: str = ""
+
+
 @runtime_checkable
 class KVSBackend(Protocol):
     name: str
 
-    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+    async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
         """Answer for all `keys` or raise KVSQueryError (never a partial answer)."""
         ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvgate.kvs_client.base import Endpoints, KVSAnswer
+from kvgate.kvs_client.base import Endpoints, HashedPrompt, KVSAnswer
 
 
 class EmbeddedKVSIndex:
@@ -49,7 +49,8 @@ class EmbeddedKVSIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+    async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
+        # Keyed by kvgate's block keys: the prompt they were hashed from is not needed.
         return KVSAnswer({key: self.holders(key) for key in keys if key in self._holders}, {})
 
     async def close(self) -> None:

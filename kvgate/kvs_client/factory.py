@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvgate.config.settings import KVSBackendName, Settings
 from kvgate.kvs_client.base import KVSBackend
+from kvgate.kvs_client.conductor_indexer import ConductorIndexerBackend
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.mooncake import MooncakeMasterBackend
 from kvgate.kvs_client.redis_index import RedisIndexBackend
@@ -28,6 +29,18 @@ def make_backend(settings: Settings, embedded_index: EmbeddedKVSIndex | None = N
             return RedisIndexBackend(settings.kvs_redis_url, settings.kvs_redis_key_prefix, request_timeout_s=timeout_s)
         case KVSBackendName.EMBEDDED:
             return embedded_index if embedded_index is not None else EmbeddedKVSIndex()
+        case KVSBackendName.CONDUCTOR:
+            return ConductorIndexerBackend(
+                settings.kvs_conductor_url,
+                block_size=settings.kvs_chunk_size,
+                request_timeout_s=timeout_s,
+                tenant=settings.kvs_conductor_tenant,
+                model=settings.kvs_conductor_model,
+                lora_name=settings.kvs_conductor_lora_name,
+                cache_salt=settings.kvs_conductor_cache_salt,
+                include_disk_tier=settings.kvs_query_disk_tier,
+                max_answer_bytes=settings.kvs_max_answer_bytes,
+            )
     raise ValueError(f"unknown kvs_backend {settings.kvs_backend!r}")
 
 

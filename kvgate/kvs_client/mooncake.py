@@ -38,7 +38,8 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, KVSAnswer, KVSAnswerTooLarge, KVSQueryError
+from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
+from kvgate.kvs_client.http_store import StoreSession, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +78,13 @@ class MooncakeMasterBackend:
     ) -> None:
         self.max_answer_bytes = max_answer_bytes
         self.base_url = base_url.rstrip("/")
-        self.request_timeout_s = request_timeout_s
         self.max_url_bytes = max_url_bytes
         self.include_disk_tier = include_disk_tier
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._session = StoreSession(max_connections=max_connections, request_timeout_s=request_timeout_s)
         self._warned_unaskable = False
 
-    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+    async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
+        # Keyed by kvgate's block keys: the prompt they were hashed from is not needed.
         askable = list(dict.fromkeys(key for key in keys if _UNASKABLE not in key))
         if len(askable) < len(set(keys)) and not self._warned_unaskable:
             self._warned_unaskable = True
@@ -110,9 +110,7 @@ class MooncakeMasterBackend:
         return KVSAnswer(locations, disk_locations)
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._session.close()
 
     def plan_requests(self, keys: Sequence[str]) -> list[BatchRequest]:
         """Group keys so each request URL stays under max_url_bytes (a lone huge key goes alone)."""
@@ -134,19 +132,10 @@ class MooncakeMasterBackend:
             batches.append(BatchRequest(batch_keys, prefix + ",".join(encoded)))
         return batches
 
-    def _open_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                raise_for_status=False,
-            )
-        return self._session
-
     async def _query_batch(self, batch: BatchRequest) -> KVSAnswer:
         try:
-            async with self._open_session().get(URL(batch.url, encoded=True)) as response:
-                body = await self._read_bounded(response)
+            async with self._session.get().get(URL(batch.url, encoded=True)) as response:
+                body = await read_bounded(response, self.max_answer_bytes, f"GET {self.base_url}{QUERY_PATH}")
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: {type(exc).__name__}: {exc}") from exc
@@ -157,19 +146,6 @@ class MooncakeMasterBackend:
         except orjson.JSONDecodeError as exc:
             raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: invalid JSON: {exc}") from exc
         return self._parse(document, batch.keys)
-
-    async def _read_bounded(self, response: aiohttp.ClientResponse) -> bytes:
-        limit = self.max_answer_bytes
-        too_large = KVSAnswerTooLarge(f"GET {self.base_url}{QUERY_PATH}: answer longer than {limit} bytes "
-                                      "(--kvs-max-answer-bytes)")
-        if response.content_length is not None and response.content_length > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in response.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        return bytes(body)
 
     def _parse(self, document: Any, keys: list[str]) -> KVSAnswer:
         if not isinstance(document, dict) or document.get("success") is not True:

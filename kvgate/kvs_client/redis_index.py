@@ -31,7 +31,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from kvgate.kvs_client.base import Endpoints, KVSAnswer, KVSQueryError
+from kvgate.kvs_client.base import Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class RedisIndexBackend:
         self._client = _connect(url, request_timeout_s)
         self._query = self._client.register_script(_QUERY)
 
-    async def query(self, keys: Sequence[str]) -> KVSAnswer:
+    async def query(self, keys: Sequence[str], prompt: HashedPrompt | None = None) -> KVSAnswer:
+        # Keyed by kvgate's block keys: the prompt they were hashed from is not needed.
         unique = list(dict.fromkeys(keys))
         if not unique:
             return KVSAnswer({}, {})

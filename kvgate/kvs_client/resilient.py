@@ -30,7 +30,14 @@ from collections.abc import Callable, Sequence
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from kvgate.config.settings import Settings
-from kvgate.kvs_client.base import KVSAnswer, KVSAnswerTooLarge, KVSBackend, KVSLookup, KVSQueryError
+from kvgate.kvs_client.base import (
+    HashedPrompt,
+    KVSAnswer,
+    KVSAnswerTooLarge,
+    KVSBackend,
+    KVSLookup,
+    KVSQueryError,
+)
 from kvgate.metrics.definitions import KVSMetrics
 
 log = logging.getLogger(__name__)
@@ -72,13 +79,18 @@ class ResilientKVSClient:
         """True from being marked down until a probe succeeds."""
         return self._down_until is not None
 
-    async def lookup(self, keys: Sequence[str]) -> KVSLookup:
+    async def lookup(
+        self, keys: Sequence[str], token_ids: Sequence[int] | None = None, model: str = ""
+    ) -> KVSLookup:
+        """Where `keys` are held. `token_ids` (the ids the keys were hashed from) and `model` are for
+        a store that hashes the prompt itself (the Conductor indexer); the others ignore them."""
         started = time.perf_counter()
         if not keys:
             return KVSLookup.empty("skipped", 0)
         unasked = max(len(keys) - self.max_query_blocks, 0)
         if unasked:
-            lookup = await self.lookup(keys[: self.max_query_blocks])
+            # The backend asks only the token ids the asked keys cover.
+            lookup = await self.lookup(keys[: self.max_query_blocks], token_ids, model)
             nothing: list[tuple[str, ...]] = [()] * unasked
             return KVSLookup(lookup.status, lookup.locations + nothing, lookup.disk_locations + nothing,
                              lookup.elapsed_s)
@@ -88,8 +100,9 @@ class ResilientKVSClient:
                 self._count("skipped_down")
                 return KVSLookup.empty("down", len(keys), time.perf_counter() - started)
             probe = self._probe_running = True
+        prompt = None if token_ids is None else HashedPrompt(token_ids, model)
         try:
-            answer = await self._ask(keys, probe)
+            answer = await self._ask(keys, prompt, probe)
         except Exception as exc:
             if not isinstance(exc, KVSQueryError):
                 # A backend bug is still only a miss for the request, never a 500.
@@ -110,7 +123,7 @@ class ResilientKVSClient:
     async def close(self) -> None:
         await self.backend.close()
 
-    async def _ask(self, keys: Sequence[str], probe: bool) -> KVSAnswer:
+    async def _ask(self, keys: Sequence[str], prompt: HashedPrompt | None, probe: bool) -> KVSAnswer:
         """The backend's answer, or KVSQueryError once every failed attempt has been recorded."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.budget_s
@@ -118,7 +131,7 @@ class ResilientKVSClient:
         # (a tenacity loop costs ~30 us a lookup on the request path).
         try:
             async with asyncio.timeout_at(deadline):
-                return await self.backend.query(keys)
+                return await self.backend.query(keys, prompt)
         except KVSQueryError as exc:
             self._record_failure(exc, probe)
             if probe or self.retry_times == 0:
@@ -126,9 +139,9 @@ class ResilientKVSClient:
         except TimeoutError as exc:
             self._record_failure(exc, probe)
             raise KVSQueryError(f"time budget of {self.budget_s * 1000:.0f} ms exhausted") from exc
-        return await self._retry(keys, deadline)
+        return await self._retry(keys, prompt, deadline)
 
-    async def _retry(self, keys: Sequence[str], deadline: float) -> KVSAnswer:
+    async def _retry(self, keys: Sequence[str], prompt: HashedPrompt | None, deadline: float) -> KVSAnswer:
         """Up to `retry_times` more attempts after a failed first one, within the same budget (a
         probe is never retried)."""
         loop = asyncio.get_running_loop()
@@ -157,7 +170,7 @@ class ResilientKVSClient:
                     with attempt:
                         calling = True
                         try:
-                            answer = await self.backend.query(keys)
+                            answer = await self.backend.query(keys, prompt)
                         except KVSQueryError as exc:
                             calling = False
                             self._record_failure(exc, probe=False)

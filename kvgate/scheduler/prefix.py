@@ -2,14 +2,18 @@
 
 The store names transport endpoints ("127.0.0.2:17901"), not instances. Each instance lists the
 endpoints that hold its cache (`kvs_endpoints`): a bare IP matches that host on any port (the
-port of a transfer engine is often chosen at run time), "IP:port" matches exactly.
+port of a transfer engine is often chosen at run time), "IP:port" matches exactly. The Conductor
+indexer names its registered instances (`instance_id`) instead: there an instance without
+`kvs_endpoints` is known by its own id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
+from operator import attrgetter
 
-from kvgate.config.settings import InstanceConfig
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.scheduler.hashing import BlockHash
 
 
@@ -36,11 +40,16 @@ class EndpointMap:
         self.resolved = _ResolvedEndpoints(self)  # endpoint -> instances, filled on first use
 
     @classmethod
-    def from_instances(cls, instances: Sequence[InstanceConfig]) -> EndpointMap:
+    def from_instances(
+        cls,
+        instances: Sequence[InstanceConfig],
+        names: Callable[[InstanceConfig], tuple[str, ...]] = attrgetter("kvs_endpoints"),
+    ) -> EndpointMap:
+        """`names`: the endpoints the store reports an instance's blocks under (its kvs_endpoints)."""
         by_endpoint: dict[str, set[str]] = {}
         by_host: dict[str, set[str]] = {}
         for instance in instances:
-            for entry in instance.kvs_endpoints:
+            for entry in names(instance):
                 host, port = split_endpoint(entry)
                 if port is None:
                     by_host.setdefault(host, set()).add(instance.id)
@@ -58,6 +67,19 @@ class EndpointMap:
         host, port = split_endpoint(endpoint)
         exact = self.by_endpoint.get(f"{host}:{port}", frozenset()) if port else frozenset()
         return exact | self.by_host.get(host, frozenset())
+
+
+def names_in_store(settings: Settings, instance: InstanceConfig) -> tuple[str, ...]:
+    """What the store in use calls the instance: its kvs_endpoints, or, for the Conductor indexer
+    (which reports instance ids, not hosts), by default its own id."""
+    if instance.kvs_endpoints or settings.kvs_backend != KVSBackendName.CONDUCTOR:
+        return instance.kvs_endpoints
+    return (instance.id,)
+
+
+def endpoint_map(settings: Settings, instances: Sequence[InstanceConfig]) -> EndpointMap:
+    """The map for the store in use."""
+    return EndpointMap.from_instances(instances, partial(names_in_store, settings))
 
 
 class _ResolvedEndpoints(dict[str, frozenset[str]]):

@@ -13,7 +13,7 @@ from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.scheduler.decode import DecodeChooser, PDDecision
 from kvgate.scheduler.hashing import BlockHash, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
-from kvgate.scheduler.prefix import EndpointMap, prefix_hit_tokens
+from kvgate.scheduler.prefix import endpoint_map, prefix_hit_tokens
 from kvgate.scheduler.prfaas import ClusterDecision, PrfaasRouter, cluster_view
 from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.rejection import Rejection, RejectionFilter
@@ -29,7 +29,7 @@ class Scheduler:
         self._settings = settings
         self._key_format = make_key_format(settings)
         self.policy = make_policy(settings, rng)
-        self.endpoint_map = EndpointMap.from_instances(instances)
+        self.endpoint_map = endpoint_map(self._settings, instances)
         self.ttft = TTFTModel(TTFTProfile.from_settings(settings), settings.ttft_calibration)
         self.rejection = RejectionFilter(settings.early_rejection, settings.ttft_slo_s, settings.tbt_slo_s)
         self._instance_ids = {instance.id for instance in instances}
@@ -177,7 +177,7 @@ class Scheduler:
 
     def set_instances(self, instances: Sequence[InstanceConfig]) -> None:
         """Instances added or removed at run time: their store endpoints change with them."""
-        self.endpoint_map = EndpointMap.from_instances(instances)
+        self.endpoint_map = endpoint_map(self._settings, instances)
         ids = {instance.id for instance in instances}
         self._set_clusters(instances)
         self.ttft.forget(sorted(self._instance_ids - ids))
