@@ -43,6 +43,13 @@ class DebugRoutes(StrEnum):
     OFF = "off"
 
 
+class TokenizeTail(StrEnum):
+    """How much of a text prompt is tokenized before routing (docs/OPERATIONS.md)."""
+
+    EXACT = "exact"  # all of it
+    ESTIMATE = "estimate"  # up to the first block no instance holds; the rest's length estimated
+
+
 class InstanceRole(StrEnum):
     NEUTRAL = "neutral"
     PREFILL = "prefill"
@@ -290,6 +297,14 @@ class Settings(BaseModel):
     )
     kvs_max_answer_bytes: int = Field(
         1024 * 1024, ge=1024, description="A longer KV store answer is not parsed: the lookup fails (no hits)."
+    )
+
+    # --- tokenizing only what routing needs (docs/OPERATIONS.md, "The tokenize stage") ---
+    tokenize_tail: TokenizeTail = Field(
+        TokenizeTail.ESTIMATE,
+        description="estimate: tokenize a text prompt up to the first block the KV store does not hold "
+        "(plus a window), route on an estimated length and finish the rest in the background; exact: "
+        "tokenize every prompt whole before routing.",
     )
 
     # --- prefill/decode disaggregation (docs/PD.md) ---

@@ -35,6 +35,7 @@ from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.prompt_limit import PromptLimit
+from kvgate.gateway.prompt_window import PromptWindow
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.request_notes import MODEL, PLAN
@@ -52,6 +53,7 @@ from kvgate.metrics.definitions import (
     hit_metrics,
     kvs_metrics,
     prfaas_metrics,
+    tokenize_tail_metrics,
     ttft_metrics,
 )
 from kvgate.scheduler.account import LoadAccount
@@ -105,7 +107,8 @@ def build_app(
         else make_kvs_client(settings, metrics=store_metrics)
     )
     decode_ledger = DecodeLedger()
-    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit,
+    window = PromptWindow.from_settings(settings, tokenize_tail_metrics(prometheus))
+    planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit, window,
                            decode_ledger=decode_ledger)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,

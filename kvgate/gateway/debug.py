@@ -48,6 +48,9 @@ async def _schedule(request: web.Request) -> web.Response:
         "cache_aware": plan.decision.cache_aware,
         "policy": gateway.settings.effective_policy,
         "num_prompt_tokens": plan.num_prompt_tokens,
+        # True: num_prompt_tokens is an estimate and block_keys cover the prompt's leading part
+        # only (--tokenize-tail estimate; every block past them is held nowhere).
+        "prompt_tokens_estimated": plan.prompt_tokens_estimated,
         "block_keys": plan.block_keys,
         "kvs_status": plan.kvs_status,
         "kvs_elapsed_ms": round(plan.kvs_elapsed_s * 1000, 3),

@@ -3,6 +3,9 @@
 The same plan serves the live path (then forwarded) and /debug/schedule (then only shown), so what
 the debug route reports is exactly what a real request would have done. Planning never changes
 the load account; the forwarder records the dispatch.
+
+A text prompt may be tokenized only as far as routing needs (prompt_window.py): then `prompt_ids`
+are its exact leading ids and `num_prompt_tokens` an estimate (`prompt_tokens_estimated`).
 """
 
 from __future__ import annotations
@@ -11,17 +14,19 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.config.settings import InstanceRole
 from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.prompt_encoding import PromptEncoding
 from kvgate.gateway.prompt_limit import PromptLimit, prompt_too_long
+from kvgate.gateway.prompt_window import PromptWindow
 from kvgate.gateway.protocol import ParsedRequest, add_special_tokens
 from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.tokenizer import ChatTemplateError, PromptTooLong, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
-from kvgate.kvs_client.base import LookupStatus
+from kvgate.kvs_client.base import KVSLookup, LookupStatus
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger, PDDecision
@@ -36,6 +41,7 @@ _INLINE_HASH_TOKENS = 16384
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
+    # Exact ids: the whole prompt, or (prompt_tokens_estimated) its leading segments only.
     prompt_ids: list[int]
     block_keys: list[str]
     kvs_status: LookupStatus
@@ -45,10 +51,9 @@ class RoutePlan:
     decision: Decision
     # Set when the request goes through prefill/decode disaggregation (docs/PD.md).
     pd: PDDecision | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+    # The prompt's length: len(prompt_ids), or an estimate when prompt_tokens_estimated.
+    num_prompt_tokens: int = 0
+    prompt_tokens_estimated: bool = False
 
     def score(self, instance_id: str) -> InstanceScore | None:
         # Scores are in ranking order and may be built when read: fetch only the one asked for.
@@ -75,6 +80,18 @@ class RoutePlan:
         return predictions[instance_id] if predictions is not None and instance_id in predictions else None
 
 
+@dataclass(slots=True)
+class _Found:
+    """What _look_up learnt: the prompt's exact full blocks, their keys, the store's answer and
+    the time spent asking it and tokenizing further."""
+
+    blocks: list[BlockHash] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    lookup: KVSLookup | None = None
+    kvs_s: float = 0.0
+    extending_s: float = 0.0
+
+
 def split_by_role(candidates: Sequence[Candidate]) -> dict[InstanceRole, tuple[Candidate, ...]]:
     return {role: tuple(c for c in candidates if c.role == role) for role in InstanceRole}
 
@@ -89,10 +106,12 @@ class RoutePlanner:
         account: LoadAccount,
         metrics: GatewayMetrics,
         prompt_limit: PromptLimit,
+        window: PromptWindow,
         executor: Executor | None = None,
         decode_ledger: DecodeLedger | None = None,
     ) -> None:
         self._prompt_limit = prompt_limit
+        self._window = window
         self._scheduler = scheduler
         self._kvs = kvs
         self._tokenizer = tokenizer
@@ -110,26 +129,27 @@ class RoutePlanner:
                            param="model", code="model_not_found")
         started = time.perf_counter()
         try:
-            prompt_ids = await self._prompt_ids(request)
-        finally:
-            tokenized = time.perf_counter()
-            self._stage["tokenize"].observe(tokenized - started)
+            encoding = await self._encoding(request)
+        except BaseException:
+            self._stage["tokenize"].observe(time.perf_counter() - started)
+            raise
+        tokenize_s = time.perf_counter() - started  # observed with any extension's time below
 
-        started = tokenized
-        wants_kvs = self._scheduler.wants_kvs(len(prompt_ids))
-        blocks = await self._block_hashes(prompt_ids) if wants_kvs or explain else []
-        keys = self._scheduler.block_keys(blocks) if blocks else []
+        started = time.perf_counter()
+        wants_kvs = self._scheduler.wants_kvs(encoding.total_tokens)
+        found = await self._look_up(request, encoding, wants_kvs, explain)
+        self._stage["tokenize"].observe(tokenize_s + found.extending_s)
+        lookup = found.lookup
         locations: Sequence[Sequence[str]] | None = None
         disk_locations: Sequence[Sequence[str]] | None = None
-        kvs_status: LookupStatus = "skipped"
-        kvs_elapsed = 0.0
-        if keys and wants_kvs:
-            lookup = await self._kvs.lookup(keys, prompt_ids, request.model)
-            kvs_status, kvs_elapsed = lookup.status, lookup.elapsed_s
+        kvs_status: LookupStatus = "skipped" if lookup is None else lookup.status
+        if lookup is not None:
             if lookup.status == "ok":
                 locations, disk_locations = lookup.locations, lookup.disk_locations
-            self._stage["kvs"].observe(kvs_elapsed)
+            self._stage["kvs"].observe(found.kvs_s)
+        blocks, keys, kvs_elapsed = found.blocks, found.keys, found.kvs_s
 
+        num_prompt_tokens = encoding.total_tokens
         # Candidates are read after the lookup's await so the loads are as fresh as possible.
         candidates = tuple(
             Candidate(state.id, state.config.role, self._account.load(state.id))
@@ -139,7 +159,7 @@ class RoutePlanner:
         pd: PDDecision | None = None
         if self._scheduler.pd_enabled and by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
             candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
-            pd = self._scheduler.decide_pd(len(prompt_ids), blocks, locations, by_role[InstanceRole.PREFILL],
+            pd = self._scheduler.decide_pd(num_prompt_tokens, blocks, locations, by_role[InstanceRole.PREFILL],
                                            by_role[InstanceRole.DECODE], self._decode_ledger.tokens,
                                            now=time.monotonic(), disk_locations=disk_locations, dry_run=explain)
             decision = pd.prefill
@@ -148,13 +168,42 @@ class RoutePlanner:
             candidates = by_role[InstanceRole.NEUTRAL]
             if not candidates:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
-            decision = self._scheduler.decide(len(prompt_ids), blocks, locations, candidates,
+            decision = self._scheduler.decide(num_prompt_tokens, blocks, locations, candidates,
                                               disk_locations=disk_locations, dry_run=explain)
-        schedule_s = time.perf_counter() - started - kvs_elapsed
+        schedule_s = time.perf_counter() - started - kvs_elapsed - found.extending_s
         self._stage["schedule"].observe(max(schedule_s, 0.0))
-        return RoutePlan(prompt_ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd)
+        if not encoding.complete and not explain:  # the debug route only looks
+            self._window.metrics.estimated_prompts.inc()
+            self._window.complete_later(self._tokenizer, encoding)
+        return RoutePlan(encoding.ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd,
+                         num_prompt_tokens, not encoding.complete)
 
-    async def _prompt_ids(self, request: ParsedRequest) -> list[int]:
+    async def _look_up(self, request: ParsedRequest, encoding: PromptEncoding, wants_kvs: bool,
+                       explain: bool) -> _Found:
+        """Hash the exact full blocks and ask the store (when it can change the decision; the
+        debug route hashes always). While the store holds the last block asked of a partial
+        prompt, tokenize a window twice the last one and ask again."""
+        found = _Found()
+        window = self._window.first_window(request) or 0  # a partial prompt had a first window
+        while True:
+            hashable = self._window.hashable_ids(encoding)
+            if wants_kvs or explain:
+                found.blocks = await self._block_hashes(hashable)
+                found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
+            if found.keys and wants_kvs:
+                found.lookup = await self._kvs.lookup(found.keys, hashable, request.model)
+                found.kvs_s += found.lookup.elapsed_s
+            if not (wants_kvs and self._window.should_extend(encoding, found.keys, found.lookup,
+                                                             self._kvs.max_query_blocks)):
+                return found
+            # The store knows more of this prompt than the tokenize cache: tokenize further.
+            window *= 2
+            extending = time.perf_counter()
+            await self._tokenizer.extend(encoding, window)
+            found.extending_s += time.perf_counter() - extending
+            self._window.metrics.extensions.inc()
+
+    async def _encoding(self, request: ParsedRequest) -> PromptEncoding:
         # A batched completion is routed on its first prompt, as one engine request. Splitting it
         # would send prompts that usually share a long prefix (few-shot headers, evaluation
         # templates) to different instances, losing the engine's reuse of that prefix inside the
@@ -167,19 +216,22 @@ class RoutePlanner:
         if request.prompt_ids is not None:
             if len(request.prompt_ids) > limit:
                 raise prompt_too_long(request.model, len(request.prompt_ids), limit, param)
-            return request.prompt_ids
+            return PromptEncoding.exact(request.prompt_ids)
+        window = self._window.first_window(request)
         try:
             special = add_special_tokens(request.body, request.chat)
             if request.messages is not None:
-                return await self._tokenizer.encode_chat(request.messages, chat_template_inputs(request.body), special,
-                                                         body_bytes=len(request.raw), max_tokens=limit)
-            return await self._tokenizer.encode_prompt(request.prompt_text or "", special, max_tokens=limit)
+                return await self._tokenizer.start_chat(request.messages, chat_template_inputs(request.body), special,
+                                                        body_bytes=len(request.raw), max_tokens=limit,
+                                                        window_tokens=window)
+            return await self._tokenizer.start_prompt(request.prompt_text or "", special, max_tokens=limit,
+                                                      window_tokens=window)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except PromptTooLong as exc:
             raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
-    async def _block_hashes(self, prompt_ids: list[int]) -> list[BlockHash]:
+    async def _block_hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
         if len(prompt_ids) <= _INLINE_HASH_TOKENS:
             return self._scheduler.block_hashes(prompt_ids)
         loop = asyncio.get_running_loop()

@@ -33,13 +33,14 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvgate.gateway.chat_inputs import DEFAULT_INPUTS, ChatTemplateInputs
+from kvgate.gateway.prompt_encoding import PromptEncoding
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ COUNT_FIRST_CHARS_PER_TOKEN = 4
 COUNT_WINDOW_CHARS = 1 << 20
 # After encoding a text this long, return freed heap memory to the OS.
 TRIM_AFTER_CHARS = 1 << 20
+# Prompts whose rest is being encoded in the background at once; more are dropped, not queued:
+# each holds its text, and a completion that starts late is worth little.
+BACKGROUND_MAX_PENDING = 4
+# The background thread's nice value above the process's: under CPU contention it yields to the
+# request path (foreground tokenizing, the event loop), and still progresses when cores are idle.
+BACKGROUND_NICE = 10
 
 
 class TokenizerLoadError(ValueError):
@@ -265,6 +272,11 @@ class TokenizerService:
         self._long_executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize-long") if executor is None else executor
         )
+        # Its own thread, so that finishing a prompt's tail never delays a request's tokenizing.
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-tokenize-background",
+                                              initializer=_lower_thread_priority)
+        self._background_pending: set[str] = set()
+        self._background_lock = threading.Lock()
         self._cache = _ByteBoundLRU(cache_bytes)
         self._segmenter: _Segmenter | None = _Segmenter(
             _template_tokens(tokenizer), _lstrip_first_chars(tokenizer), min_segment_chars
@@ -280,11 +292,7 @@ class TokenizerService:
     async def encode_prompt(
         self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None
     ) -> list[int]:
-        if len(text) <= INLINE_MAX_CHARS:
-            return self.encode_prompt_sync(text, add_special_tokens, max_tokens=max_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool(len(text)), partial(self.encode_prompt_sync, text, add_special_tokens, max_tokens=max_tokens)
-        )
+        return (await self.start_prompt(text, add_special_tokens, max_tokens=max_tokens)).ids
 
     async def encode_chat(
         self,
@@ -295,16 +303,8 @@ class TokenizerService:
         body_bytes: int | None = None,
         max_tokens: int | None = None,
     ) -> list[int]:
-        """Rendering costs per message and per byte of what the template reads, whatever the
-        content's length: many messages, a long body (`body_bytes`, the request's size, when
-        known) or tools/documents are rendered off the event loop."""
-        size = body_bytes if body_bytes is not None else sum(len(str(m.get("content") or "")) for m in messages)
-        if (len(messages) <= INLINE_MAX_MESSAGES and size <= INLINE_MAX_CHARS
-                and inputs.tools is None and inputs.documents is None):
-            return self.encode_chat_sync(messages, inputs, add_special_tokens, max_tokens=max_tokens)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool(size), partial(self.encode_chat_sync, messages, inputs, add_special_tokens, max_tokens=max_tokens)
-        )
+        return (await self.start_chat(messages, inputs, add_special_tokens, body_bytes=body_bytes,
+                                      max_tokens=max_tokens)).ids
 
     def _pool(self, chars: int) -> Executor:
         # The Rust tokenizer encodes outside the GIL, so both pools make progress at once.
@@ -329,6 +329,138 @@ class TokenizerService:
         special tokens unless asked (the template writes its own)."""
         return self._encode_text(self.render_chat(messages, inputs), add_special_tokens, max_tokens)
 
+    # --- partial encoding: exact leading ids and an estimated length (--tokenize-tail estimate) ---
+
+    async def start_prompt(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        max_tokens: int | None = None,
+        window_tokens: int | None = None,
+    ) -> PromptEncoding:
+        """`text` encoded through its cached leading segments and about `window_tokens` tokens of new
+        text after them (whole segments); whole when `window_tokens` is None or when the prompt may
+        exceed `max_tokens` (PromptTooLong past it). Short texts are encoded on the event loop."""
+        call = partial(self.start_prompt_sync, text, add_special_tokens, max_tokens=max_tokens,
+                       window_tokens=window_tokens)
+        if len(text) <= INLINE_MAX_CHARS:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._pool(len(text)), call)
+
+    async def start_chat(
+        self,
+        messages: list[dict],
+        inputs: ChatTemplateInputs = DEFAULT_INPUTS,
+        add_special_tokens: bool = False,
+        *,
+        body_bytes: int | None = None,
+        max_tokens: int | None = None,
+        window_tokens: int | None = None,
+    ) -> PromptEncoding:
+        """start_prompt over the rendered chat. Rendering costs per message and per byte of what
+        the template reads, whatever the content's length: many messages, a long body
+        (`body_bytes`, the request's size, when known) or tools/documents are rendered off the
+        event loop."""
+        call = partial(self.start_chat_sync, messages, inputs, add_special_tokens, max_tokens=max_tokens,
+                       window_tokens=window_tokens)
+        size = body_bytes if body_bytes is not None else sum(len(str(m.get("content") or "")) for m in messages)
+        if (len(messages) <= INLINE_MAX_MESSAGES and size <= INLINE_MAX_CHARS
+                and inputs.tools is None and inputs.documents is None):
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._pool(size), call)
+
+    def start_prompt_sync(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        max_tokens: int | None = None,
+        window_tokens: int | None = None,
+    ) -> PromptEncoding:
+        return self._start(text, add_special_tokens, max_tokens, window_tokens)
+
+    def start_chat_sync(
+        self,
+        messages: list[dict],
+        inputs: ChatTemplateInputs = DEFAULT_INPUTS,
+        add_special_tokens: bool = False,
+        *,
+        max_tokens: int | None = None,
+        window_tokens: int | None = None,
+    ) -> PromptEncoding:
+        return self._start(self.render_chat(messages, inputs), add_special_tokens, max_tokens, window_tokens)
+
+    async def extend(self, encoding: PromptEncoding, window_tokens: int) -> None:
+        """Encode about `window_tokens` more tokens of new text (whole segments) into `encoding`."""
+        if encoding.complete:
+            return
+        chars = int(window_tokens * encoding.chars_per_token)
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool(chars), self._grow, encoding, window_tokens)
+
+    def complete_in_background(self, encoding: PromptEncoding, done: Callable[[str], None]) -> bool:
+        """Encode the rest of `encoding`'s text on the background thread, so that the cache learns
+        it (a conversation's next turn then finds its whole prefix cached). `encoding` itself is
+        left as it is (a plan holds its ids). At most one completion per text and
+        BACKGROUND_MAX_PENDING in all: beyond, it is dropped (False). `done` gets "completed" or
+        "failed" on the background thread."""
+        if encoding.complete:
+            return False
+        with self._background_lock:
+            if encoding.text in self._background_pending or len(self._background_pending) >= BACKGROUND_MAX_PENDING:
+                return False
+            self._background_pending.add(encoding.text)
+        try:
+            self._background.submit(self._complete_rest, encoding, done)
+        except RuntimeError:  # shut down
+            with self._background_lock:
+                self._background_pending.discard(encoding.text)
+            return False
+        return True
+
+    @property
+    def background_pending(self) -> int:
+        return len(self._background_pending)
+
+    def _start(
+        self, text: str, add_special_tokens: bool, max_tokens: int | None, window_tokens: int | None
+    ) -> PromptEncoding:
+        # A text likely over the limit is counted whole, window by window, in bounded memory.
+        likely_too_long = max_tokens is not None and len(text) > max_tokens * COUNT_FIRST_CHARS_PER_TOKEN
+        if window_tokens is None or likely_too_long:
+            return PromptEncoding.exact(self._encode_text(text, add_special_tokens, max_tokens))
+        prefix = self._prefix_ids if add_special_tokens else []
+        encoding = PromptEncoding(text, self._segmenter.split(text) if self._segmenter else [text],
+                                  self._suffix_ids if add_special_tokens else [], list(prefix), len(prefix))
+        self._grow(encoding, window_tokens)
+        if max_tokens is not None and encoding.may_exceed(max_tokens):
+            # Near the limit an estimate could refuse a prompt that fits or let through one that
+            # does not: count exactly (and refuse) as a whole encode does.
+            return PromptEncoding.exact(self._encode_text(text, add_special_tokens, max_tokens))
+        return encoding
+
+    def _grow(self, encoding: PromptEncoding, window_tokens: int) -> None:
+        budget_chars = window_tokens * encoding.chars_per_token
+        encoding.add(self._segment_ids(encoding.segments, encoding.encoded_segments, budget_chars))
+
+    def _complete_rest(self, encoding: PromptEncoding, done: Callable[[str], None]) -> None:
+        outcome = "completed"
+        try:
+            self._segment_ids(encoding.segments, encoding.encoded_segments, None, self._encode_serially)
+            if encoding.remaining_chars > TRIM_AFTER_CHARS:
+                _release_free_memory()
+        except Exception:  # the request is long gone: log, never raise into the executor
+            log.exception("background tokenization of a %d-character prompt failed", len(encoding.text))
+            outcome = "failed"
+        finally:
+            with self._background_lock:
+                self._background_pending.discard(encoding.text)
+        try:
+            done(outcome)
+        except Exception:
+            log.exception("background tokenization's completion callback failed")
+
     def _encode_text(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
         """PromptTooLong past `max_tokens` (special tokens included)."""
         affixes = len(self._prefix_ids) + len(self._suffix_ids) if add_special_tokens else 0
@@ -351,6 +483,7 @@ class TokenizerService:
         return text
 
     def close(self) -> None:
+        self._background.shutdown(wait=False, cancel_futures=True)
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._long_executor.shutdown(wait=False, cancel_futures=True)
@@ -400,21 +533,51 @@ class TokenizerService:
 
     def _cached_parts(self, text: str) -> list[TokenIds]:
         """The ids of each segment of `text`, in order; only segments not cached are encoded."""
-        segments = self._segmenter.split(text) if self._segmenter else [text]
-        found = [self._cache.get(s) for s in segments]
-        missing = [s for s, ids in zip(segments, found, strict=True) if ids is None]
+        return self._segment_ids(self._segmenter.split(text) if self._segmenter else [text], 0, None)
+
+    def _segment_ids(
+        self,
+        segments: Sequence[str],
+        start: int,
+        budget_chars: float | None,
+        encode: Callable[[list[str]], list[TokenIds]] | None = None,
+    ) -> list[TokenIds]:
+        """The ids of segments from `start` on, in order, each either cached or encoded (by
+        `encode`, by default _encode_plain's one batch), then cached. With `budget_chars`, stops
+        before the first segment not cached once that many characters of new text are taken (at
+        least one segment is)."""
+        found: list[TokenIds | None] = []
+        missing: list[str] = []
+        new_chars = 0
+        for segment in segments[start:] if start else segments:
+            ids = self._cache.get(segment)
+            if ids is None:
+                if budget_chars is not None and missing and new_chars >= budget_chars:
+                    break
+                missing.append(segment)
+                new_chars += len(segment)
+            found.append(ids)
         if not missing:
             return found  # type: ignore[return-value]  # no None left
-        fresh = dict(zip(missing, self._encode_plain(missing), strict=True))
+        fresh = dict(zip(missing, (encode or self._encode_plain)(missing), strict=True))
         for segment, ids in fresh.items():
             self._cache.put(segment, ids)
-        return [ids if ids is not None else fresh[s] for s, ids in zip(segments, found, strict=True)]
+        taken = segments[start:start + len(found)]
+        return [ids if ids is not None else fresh[s] for s, ids in zip(taken, found, strict=True)]
 
     def _encode_plain(self, texts: list[str]) -> list[TokenIds]:
         """Encode without special tokens; one batched call so long prompts cross into Rust once."""
         if self._encode_batch is not None:
             return [array("I", enc.ids) for enc in self._encode_batch(texts, add_special_tokens=False)]
         return [array("I", self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    def _encode_serially(self, texts: list[str]) -> list[TokenIds]:
+        """_encode_plain on the calling thread alone: a batch runs on the Rust tokenizer's shared
+        thread pool, where background work would run at the request path's priority and queue
+        ahead of its batches. One text at a time still releases the GIL."""
+        if self._backend is not None:
+            return [array("I", self._backend.encode(t, add_special_tokens=False).ids) for t in texts]
+        return self._encode_plain(texts)
 
     def _special_token_affixes(self) -> tuple[list[int], list[int]]:
         """What `add_special_tokens=True` puts around a text (e.g. a BOS id), found by comparison."""
@@ -450,6 +613,18 @@ _MALLOC_TRIM = _load_malloc_trim()  # glibc only; None elsewhere (musl returns m
 def _release_free_memory() -> None:
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def _lower_thread_priority() -> None:
+    """Raise the calling thread's nice value by BACKGROUND_NICE. Linux keeps a nice value per
+    thread (setpriority on its thread id); elsewhere that call would reach the whole process."""
+    if sys.platform != "linux":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(os.getpriority(os.PRIO_PROCESS, thread) + BACKGROUND_NICE, 19))
+    except OSError as exc:  # e.g. a seccomp profile forbidding it: background work simply runs at normal priority
+        log.info("cannot lower the background tokenizing thread's priority: %s", exc)
 
 
 def _template_tokens(tokenizer: Any) -> list[str]:

@@ -290,3 +290,33 @@ def prfaas_metrics(registry: CollectorRegistry) -> PrfaasMetrics:
             registry=registry,
         ),
     )
+
+
+# --- tokenizing only what routing needs (gateway/prompt_window.py, --tokenize-tail estimate) ---
+
+
+@dataclass(frozen=True)
+class TokenizeTailMetrics:
+    estimated_prompts: Counter
+    extensions: Counter
+    background: Counter  # outcome: completed | failed | dropped
+
+
+def tokenize_tail_metrics(registry: CollectorRegistry) -> TokenizeTailMetrics:
+    return TokenizeTailMetrics(
+        estimated_prompts=Counter(
+            "kvgate_tokenize_estimated_prompts",
+            "Text prompts routed on exact leading ids and an estimated length (the rest tokenized later).",
+            registry=registry,
+        ),
+        extensions=Counter(
+            "kvgate_tokenize_extensions",
+            "Times a prompt's tokenized window grew because the KV store held its last looked-up block.",
+            registry=registry,
+        ),
+        background=Counter(
+            "kvgate_tokenize_background",
+            "Prompt tails handed to the background tokenizer, by outcome (dropped: too many pending).",
+            ["outcome"], registry=registry,
+        ),
+    )
