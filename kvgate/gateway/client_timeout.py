@@ -24,7 +24,9 @@ from kvgate.gateway.errors import APIError, Handler, error_response
 def body_timeout_middleware(timeout_s: float):
     @web.middleware
     async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.body_exists:
+        # A body that has all arrived (usually with its headers) has nothing left to time: the
+        # timer would cost more than the rest of this middleware.
+        if request.body_exists and not request.content.is_eof():
             try:
                 async with asyncio.timeout(timeout_s):
                     await request.read()  # kept by aiohttp: the handler's read() returns it at once
