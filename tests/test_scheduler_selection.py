@@ -205,3 +205,22 @@ def test_ranking_is_sorted_by_the_metric_tuple(load_list, hit_map, name):
     }
     keys = [signed[i] for i in decision.ranking]
     assert keys == sorted(keys) and sorted(decision.ranking) == sorted(c.id for c in candidates)
+
+
+@given(
+    st.lists(loads, min_size=1, max_size=12),
+    st.dictionaries(st.integers(0, 15), st.integers(1, 8).map(lambda x: x * 256)),
+)
+def test_longest_prefix_hit_is_the_best_score_without_building_them(load_list, hit_map):
+    candidates = [Candidate(f"i{n:02d}", NEUTRAL, load) for n, load in enumerate(load_list)]
+    # Hits may name instances that are not candidates (unroutable ones): they never count.
+    request = RoutingRequest(2048, {f"i{n:02d}": hit for n, hit in hit_map.items()})
+    scores = policy("cache_aware").select(request, candidates).scores
+    longest = scores.longest_prefix_hit()
+    assert longest == max(score.prefix_hit_tokens for score in scores)
+
+
+def test_a_score_is_built_once_and_kept():
+    decision = policy("cache_aware").select(RoutingRequest(2048, {"b": 1024}), [cand("a"), cand("b")])
+    assert decision.scores[0] is decision.scores[0] and decision.scores[-1] is decision.scores[1]
+    assert decision.scores[0] == decision.scores[:1][0] and decision.scores[1].id == "a"

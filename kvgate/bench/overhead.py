@@ -8,6 +8,8 @@ Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
   embedded index; health checks and stats scraping on;
 - sglang-router 0.3.2 with its cache_aware policy in front of the same backend (installed into
   the peers' virtualenv, see peers.py; `--no-peers` skips it);
+- with --floor, a bare relay (kvgate.bench.bare_relay: aiohttp's server and kvgate's upstream
+  client, no routing) in front of the same backend: the CPU per request of the HTTP plumbing alone;
 - the load generator (closed loop, fixed ~2 KB completion, whole JSON or with --stream an SSE
   stream), run straight at the backend (the baseline) and through each router, at each
   concurrency, interleaved: baseline, then every router, before the next concurrency.
@@ -52,6 +54,7 @@ _START_TIMEOUT_S = 90.0
 
 
 PEER = Target("sglang-router", "cache_aware")
+FLOOR = "bare relay (aiohttp + upstream client)"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class OverheadConfig:
     peers: bool = True
     venv_dir: Path | None = None
     install_peers: bool = True
+    floor: bool = False  # also measure the bare relay (kvgate.bench.bare_relay)
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,19 @@ def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterat
         process.stop()
 
 
+@contextlib.contextmanager
+def bare_relay_process(backend_url: str, log_dir: Path) -> Iterator[GatewayProcess]:
+    port = free_port()
+    argv = [sys.executable, "-m", "kvgate.bench.bare_relay", "--port", str(port), "--backend", backend_url]
+    process = LocalProcess(argv, log_dir / "bare-relay.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        process.wait_ready(lambda: _listening(url), "bare relay", _START_TIMEOUT_S)
+        yield GatewayProcess(url, process.pid)
+    finally:
+        process.stop()
+
+
 def _said_listening(process: LocalProcess) -> bool:
     return "kvgate gateway listening on" in process.log_tail()
 
@@ -246,6 +263,8 @@ def measure(config: OverheadConfig, log_dir: Path, log: Callable[[str], None] = 
         backends = stack.enter_context(instant_backends(1, log_dir))
         gateways = {gateway_label(n): stack.enter_context(gateway_process(backends[0].url, log_dir, n))
                     for n in config.workers}
+        if config.floor:
+            gateways[FLOOR] = stack.enter_context(bare_relay_process(backends[0].url, log_dir))
         peer_url = None
         if config.peers:
             env = peers.ensure_peers(config.venv_dir, {PEER.router: peers.PEER_VERSIONS[PEER.router]}, log=log,
@@ -306,6 +325,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--stream", action="store_true", help="streamed (SSE) completions instead of whole JSON")
     parser.add_argument("--workers", default="1,2", help="comma-separated `kvgate serve --workers` counts (default 1,2)")
     parser.add_argument("--no-peers", action="store_true", help="skip sglang-router cache_aware")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure a bare relay (aiohttp's server + kvgate's upstream client, no routing)")
     parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
     parser.add_argument("--venv", type=Path, default=None, help=f"peers' virtualenv (default {peers.default_venv_dir()})")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -326,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
               "positive", file=sys.stderr)
         return 2
     config = OverheadConfig(concurrency, args.duration_s, args.max_requests, args.runs, args.stream, workers,
-                            peers=not args.no_peers, venv_dir=args.venv, install_peers=not args.no_install)
+                            peers=not args.no_peers, venv_dir=args.venv, install_peers=not args.no_install,
+                            floor=args.floor)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:

@@ -56,6 +56,7 @@ from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
+from kvgate.scheduler.selector import ScoreTable
 
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
@@ -188,8 +189,7 @@ class Forwarder:
             return
         score = plan.score(instance_id)
         predicted = score.prefix_hit_tokens if score is not None else 0
-        found_anywhere = max((s.prefix_hit_tokens for s in plan.decision.scores), default=0)
-        self._hits.record(instance_id, predicted, found_anywhere, tap.usage, request_id)
+        self._hits.record(instance_id, predicted, _longest_prefix_hit(plan), tap.usage, request_id)
 
     async def relay_from(
         self,
@@ -255,6 +255,14 @@ class Forwarder:
         score = plan.score(instance_id)
         if score is not None and plan.num_prompt_tokens:
             self._metrics.prefix_hit_ratio.observe(score.prefix_hit_tokens / plan.num_prompt_tokens)
+
+
+def _longest_prefix_hit(plan: RoutePlan) -> int:
+    """The longest prefix the store held on any candidate."""
+    scores = plan.decision.scores
+    if isinstance(scores, ScoreTable):
+        return scores.longest_prefix_hit()  # without building every candidate's score
+    return max((score.prefix_hit_tokens for score in scores), default=0)
 
 
 def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvgate.gateway.usage import ReportedUsage
+from kvgate.metrics.children import Children
 from kvgate.metrics.definitions import HitMetrics
 
 log = logging.getLogger(__name__)
@@ -85,12 +86,15 @@ class HitAccounting:
         log_interval_s: float = LOG_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._metrics = metrics
         self._chunk_size = chunk_size
         self._min_evidence = min_evidence
         self._log_interval_s = log_interval_s
         self._clock = clock
         self._windows: dict[str, _Window] = {}
+        self._predicted = Children(metrics.predicted_tokens)
+        self._reported = Children(metrics.reported_tokens)
+        self._disagreement = Children(metrics.disagreement_tokens)
+        self._comparisons = Children(metrics.comparisons)
         self._last_logged: dict[tuple[str, str], float] = {}
         self._reporting: set[str] = set()  # instances that have reported cached tokens at least once
 
@@ -99,21 +103,23 @@ class HitAccounting:
     ) -> None:
         """One answered request: `predicted` prefix tokens held on the instance that answered,
         `found_anywhere` the longest prefix held on any instance, `usage` what the engine reported."""
-        window = self._windows.setdefault(instance_id, _Window())
+        window = self._windows.get(instance_id)
+        if window is None:
+            window = self._windows[instance_id] = _Window()
         window.requests += 1
         reported = usage.cached_tokens if usage is not None else None
         if reported is None and usage is not None and instance_id in self._reporting:
             reported = 0  # vLLM omits a zero
         if reported is None:
-            self._metrics.comparisons.labels(instance_id, "unreported").inc()
+            self._comparisons(instance_id, "unreported").inc()
             window.unreported += 1
             window.unreported_with_predicted_hit += predicted > 0
         else:
             self._reporting.add(instance_id)
-            self._metrics.predicted_tokens.labels(instance_id).inc(predicted)
-            self._metrics.reported_tokens.labels(instance_id).inc(reported)
-            self._metrics.disagreement_tokens.labels(instance_id).inc(abs(reported - predicted))
-            self._metrics.comparisons.labels(instance_id, self._outcome(predicted, reported)).inc()
+            self._predicted(instance_id).inc(predicted)
+            self._reported(instance_id).inc(reported)
+            self._disagreement(instance_id).inc(abs(reported - predicted))
+            self._comparisons(instance_id, self._outcome(predicted, reported)).inc()
             window.reported += reported
             window.with_reported_hit += reported > 0
             window.found_anywhere += found_anywhere

@@ -6,12 +6,12 @@ import asyncio
 import itertools
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 from aiohttp import web
 
 from kvgate.gateway.errors import Handler
 from kvgate.gateway.relay import REQUEST_ID_HEADER, STREAM_BROKEN
+from kvgate.metrics.children import Children
 from kvgate.metrics.definitions import GatewayMetrics
 
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -31,13 +31,7 @@ def request_ids() -> Callable[[], str]:
 
 def observe_middleware(metrics: GatewayMetrics):
     new_request_id = request_ids()
-    counters: dict[tuple[str, str], Any] = {}  # (route, status) -> child; labels() is slow-ish
-
-    def count(route: str, status: str) -> None:
-        child = counters.get((route, status))
-        if child is None:
-            child = counters[(route, status)] = metrics.requests.labels(route, status)
-        child.inc()
+    requests = Children(metrics.requests)  # by route and status
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -49,11 +43,11 @@ def observe_middleware(metrics: GatewayMetrics):
         try:
             response = await handler(request)
         except asyncio.CancelledError:
-            count(route, CLIENT_CLOSED)
+            requests(route, CLIENT_CLOSED).inc()
             raise
         if not response.prepared:
             response.headers.setdefault(REQUEST_ID_HEADER, request_id)
-        count(route, STREAM_ERROR if STREAM_BROKEN in request else str(response.status))
+        requests(route, STREAM_ERROR if STREAM_BROKEN in request else str(response.status)).inc()
         return response
 
     return observe

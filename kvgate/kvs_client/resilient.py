@@ -56,6 +56,9 @@ class ResilientKVSClient:
         self.retry_interval_s = settings.kvs_retry_interval_ms / 1000
         self.down_duration_s = settings.kvs_metadata_service_down_duration_s
         self.budget_s = settings.kvs_query_budget_ms / 1000
+        # An in-process index answers without ever suspending, so a budget timer could never
+        # interrupt it; arming and cancelling one costs more than the lookup (~5 us).
+        self._answers_inline = getattr(backend, "answers_inline", False)
         self.max_query_blocks = settings.kvs_max_query_blocks
         self._metrics = metrics
         self._clock = clock
@@ -130,6 +133,8 @@ class ResilientKVSClient:
         # The first attempt, which almost always answers, without building the retry machinery
         # (a tenacity loop costs ~30 us a lookup on the request path).
         try:
+            if self._answers_inline:
+                return await self.backend.query(keys, prompt)
             async with asyncio.timeout_at(deadline):
                 return await self.backend.query(keys, prompt)
         except KVSQueryError as exc:

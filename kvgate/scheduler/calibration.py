@@ -51,7 +51,9 @@ class Calibration:
         """`compute_s`, `transfer_s`: the uncalibrated terms predicted for a request that took `measured_s`."""
         if not self.enabled or measured_s <= 0 or not math.isfinite(measured_s):
             return
-        factors = self._factors.setdefault(instance_id, _Factors())
+        factors = self._factors.get(instance_id)
+        if factors is None:
+            factors = self._factors[instance_id] = _Factors()
         compute = math.exp(factors.log_compute) * compute_s
         transfer = math.exp(factors.log_transfer) * transfer_s
         predicted = compute + transfer

@@ -12,6 +12,7 @@ token in Python.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import struct
 import sys
@@ -114,6 +115,7 @@ def _cbor_sha256(obj) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
+@functools.lru_cache(maxsize=16)  # a gateway has one seed: its CBOR and sha256 once, not per request
 def cbor_seed_hash(seed: str) -> bytes:
     """vLLM's NONE_HASH: the chain's root is the hash of the seed *string*."""
     return _cbor_sha256(seed or "0")

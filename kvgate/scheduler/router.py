@@ -95,9 +95,13 @@ class Scheduler:
     ) -> TTFTPrediction | None:
         """A request was sent to `instance_id` (the traffic's running means learn from it). Returns
         the prediction to hand back to observe_ttft with the measured TTFT."""
-        if decision.predictions is None or instance_id not in decision.predictions:
+        predictions = decision.predictions
+        if predictions is None:
             return None
-        prediction = decision.predictions[instance_id]
+        try:  # one lookup: `in` on a Mapping computes the prediction, then [] fetches it again
+            prediction = predictions[instance_id]
+        except KeyError:
+            return None
         self.ttft.observe_request(num_prompt_tokens, max_tokens)
         return prediction
 

@@ -144,13 +144,14 @@ class Ranking(Sequence[str]):
 
 
 class ScoreTable(Sequence[InstanceScore]):
-    """Decision.scores, in ranking order; each InstanceScore is built when read.
+    """Decision.scores, in ranking order; each InstanceScore is built when first read.
 
     Building 1024 scores with their metric dicts costs more than the whole ranking, and most
-    decisions only read the winner's. Compares equal to a tuple of the same scores.
+    decisions only read the winner's (several times: dispatch, hit ratio, hit accounting, access
+    log), so a built score is kept. Compares equal to a tuple of the same scores.
     """
 
-    __slots__ = ("_metrics", "_columns", "_candidates", "_order", "_request")
+    __slots__ = ("_metrics", "_columns", "_candidates", "_order", "_request", "_built")
 
     def __init__(
         self,
@@ -162,6 +163,12 @@ class ScoreTable(Sequence[InstanceScore]):
     ) -> None:
         self._metrics, self._columns, self._candidates = metrics, columns, candidates
         self._order, self._request = order, request
+        self._built: dict[int, InstanceScore] = {}  # by candidate position
+
+    def longest_prefix_hit(self) -> int:
+        """The longest prefix hit of any candidate, without building their scores."""
+        hits = self._request.prefix_hit_tokens
+        return max((hits.get(candidate.id, 0) for candidate in self._candidates), default=0) if hits else 0
 
     def __len__(self) -> int:
         return len(self._order)
@@ -175,6 +182,12 @@ class ScoreTable(Sequence[InstanceScore]):
         if isinstance(index, slice):
             return tuple(self[i] for i in range(*index.indices(len(self))))
         position = self._order[index]
+        score = self._built.get(position)
+        if score is None:
+            score = self._built[position] = self._build(position)
+        return score
+
+    def _build(self, position: int) -> InstanceScore:
         candidate = self._candidates[position]
         hit = self._request.prefix_hit_tokens.get(candidate.id, 0)
         return InstanceScore(

@@ -57,6 +57,7 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
     """The spawned process's target: load the tokenizer, attach the table, serve until SIGTERM."""
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s worker-{spec.index} %(name)s: %(message)s")
+    _read_pid_once_for_metrics()
     from kvgate.gateway.server import run_gateway
     from kvgate.gateway.tokenizer import load_tokenizer
 
@@ -72,3 +73,14 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
     finally:
         table.close()
     sys.exit(code)
+
+
+def _read_pid_once_for_metrics() -> None:
+    """prometheus-client's multiprocess values read the process id (a getpid() system call) on every
+    increment, to notice a fork; a request makes about 24 increments. A worker is spawned and never
+    forks, so its id is read once, through the library's own `process_identifier` parameter. Runs
+    before any metric exists: each takes its value class when created."""
+    from prometheus_client import values
+
+    pid = os.getpid()
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
