@@ -194,7 +194,9 @@ class RoutePlanner:
         while True:
             hashable = self._window.hashable_ids(encoding)
             if wants_kvs or explain:
-                found.blocks = await self._block_hashes(hashable)
+                # Hashed inline when short (no coroutine to build and await on the common path).
+                found.blocks = (self._scheduler.block_hashes(hashable) if len(hashable) <= _INLINE_HASH_TOKENS
+                                else await self._hash_in_executor(hashable))
                 found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
             if found.keys and wants_kvs:
                 found.lookup = await self._kvs.lookup(found.keys, hashable, request.model)
@@ -237,8 +239,6 @@ class RoutePlanner:
         except PromptTooLong as exc:
             raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
-    async def _block_hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
-        if len(prompt_ids) <= _INLINE_HASH_TOKENS:
-            return self._scheduler.block_hashes(prompt_ids)
+    async def _hash_in_executor(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._scheduler.block_hashes, prompt_ids)
