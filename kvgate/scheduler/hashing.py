@@ -144,18 +144,22 @@ _MAX_TOKEN_ENCODINGS = 1 << 20
 def _joined_encodings(chunk: Sequence[int]) -> bytes:
     """The canonical CBOR encodings of a (non-empty) chunk's ids, concatenated. ValueError for an id
     outside 0..2**64-1."""
-    fetch = operator.itemgetter(*chunk)
     try:
-        found = fetch(_TOKEN_ENCODINGS)
-    except KeyError:  # an id seen for the first time: encode the chunk's new ids, then fetch again
+        found = operator.itemgetter(*chunk)(_TOKEN_ENCODINGS)
+    except KeyError:  # an id seen for the first time: this chunk goes token by token, filling the cache
         if len(_TOKEN_ENCODINGS) + len(chunk) > _MAX_TOKEN_ENCODINGS:
             _TOKEN_ENCODINGS.clear()
-        for token in chunk:
-            if token not in _TOKEN_ENCODINGS:
-                _TOKEN_ENCODINGS[token] = cbor_head(0, token)
-        found = fetch(_TOKEN_ENCODINGS)
+        return b"".join([_token_encoding(token) for token in chunk])
     # itemgetter of a single item returns the item itself, not a 1-tuple.
     return found if len(chunk) == 1 else b"".join(found)
+
+
+def _token_encoding(token: int) -> bytes:
+    # A lookup that cannot miss: another thread may clear the cache between two reads.
+    encoded = _TOKEN_ENCODINGS.get(token)
+    if encoded is None:
+        encoded = _TOKEN_ENCODINGS[token] = cbor_head(0, token)
+    return encoded
 
 
 def _hash_small_sha256_cbor(
