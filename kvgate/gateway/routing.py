@@ -92,8 +92,16 @@ class _Found:
     extending_s: float = 0.0
 
 
+_ROLES = tuple(InstanceRole)
+
+
 def split_by_role(candidates: Sequence[Candidate]) -> dict[InstanceRole, tuple[Candidate, ...]]:
-    return {role: tuple(c for c in candidates if c.role == role) for role in InstanceRole}
+    """Every role, with its candidates in their order. One pass over the candidates: filtering them
+    once per role (and iterating the enum each request) cost ~3x as much on the request path."""
+    groups: dict[InstanceRole, list[Candidate]] = {role: [] for role in _ROLES}
+    for candidate in candidates:
+        groups[candidate.role].append(candidate)
+    return {role: tuple(group) for role, group in groups.items()}
 
 
 class RoutePlanner:
@@ -151,11 +159,9 @@ class RoutePlanner:
 
         num_prompt_tokens = encoding.total_tokens
         # Candidates are read after the lookup's await so the loads are as fresh as possible.
-        candidates = tuple(
-            Candidate(state.id, state.config.role, self._account.load(state.id))
-            for state in self._registry.routable(request.model)
-        )
-        by_role = split_by_role(candidates)
+        load = self._account.load
+        by_role = split_by_role([Candidate(state.id, state.config.role, load(state.id))
+                                 for state in self._registry.routable(request.model)])
         pd: PDDecision | None = None
         if self._scheduler.pd_enabled and by_role[InstanceRole.PREFILL] and by_role[InstanceRole.DECODE]:
             candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
@@ -188,7 +194,9 @@ class RoutePlanner:
         while True:
             hashable = self._window.hashable_ids(encoding)
             if wants_kvs or explain:
-                found.blocks = await self._block_hashes(hashable)
+                # Hashed inline when short (no coroutine to build and await on the common path).
+                found.blocks = (self._scheduler.block_hashes(hashable) if len(hashable) <= _INLINE_HASH_TOKENS
+                                else await self._hash_in_executor(hashable))
                 found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
             if found.keys and wants_kvs:
                 found.lookup = await self._kvs.lookup(found.keys, hashable, request.model)
@@ -231,8 +239,6 @@ class RoutePlanner:
         except PromptTooLong as exc:
             raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
-    async def _block_hashes(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
-        if len(prompt_ids) <= _INLINE_HASH_TOKENS:
-            return self._scheduler.block_hashes(prompt_ids)
+    async def _hash_in_executor(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._scheduler.block_hashes, prompt_ids)

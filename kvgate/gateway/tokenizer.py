@@ -342,10 +342,9 @@ class TokenizerService:
         """`text` encoded through its cached leading segments and about `window_tokens` tokens of new
         text after them (whole segments); whole when `window_tokens` is None or when the prompt may
         exceed `max_tokens` (PromptTooLong past it). Short texts are encoded on the event loop."""
-        call = partial(self.start_prompt_sync, text, add_special_tokens, max_tokens=max_tokens,
-                       window_tokens=window_tokens)
         if len(text) <= INLINE_MAX_CHARS:
-            return call()
+            return self._start(text, add_special_tokens, max_tokens, window_tokens)
+        call = partial(self._start, text, add_special_tokens, max_tokens, window_tokens)
         return await asyncio.get_running_loop().run_in_executor(self._pool(len(text)), call)
 
     async def start_chat(
