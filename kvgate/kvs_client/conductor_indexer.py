@@ -43,11 +43,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from kvgate.kvs_client.base import Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
-from kvgate.kvs_client.http_store import StoreSession, read_bounded
+from kvgate.kvs_client.http_store import StoreSession
 
 QUERY_PATH = "/query"
 _MEMORY_MEDIA = frozenset({"gpu", "npu", "hbm", "device", "cpu", "cpu_pinned", "host", "dram"})
@@ -114,21 +113,10 @@ class ConductorIndexerBackend:
         await self._session.close()
 
     async def _post(self, body: dict[str, Any]) -> Any:
-        what = f"POST {self.base_url}{QUERY_PATH}"
-        try:
-            async with self._session.get().post(
-                self.base_url + QUERY_PATH, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-            ) as response:
-                answer = await read_bounded(response, self.max_answer_bytes, what)
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise KVSQueryError(f"{what}: {type(exc).__name__}: {exc}") from exc
-        if status != 200:
-            raise KVSQueryError(f"{what}: HTTP {status}: {answer[:200]!r}")
-        try:
-            return orjson.loads(answer)
-        except orjson.JSONDecodeError as exc:
-            raise KVSQueryError(f"{what}: invalid JSON: {exc}") from exc
+        return await self._session.json(
+            "POST", self.base_url + QUERY_PATH, f"POST {self.base_url}{QUERY_PATH}", self.max_answer_bytes,
+            data=orjson.dumps(body), headers={"Content-Type": "application/json"},
+        )
 
 
 @dataclass(frozen=True, slots=True)

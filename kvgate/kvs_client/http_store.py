@@ -1,5 +1,6 @@
 """What the backends that ask a store over HTTP share (Mooncake master, Conductor indexer): one
-lazily opened client session per backend, and answers read only up to --kvs-max-answer-bytes.
+lazily opened client session per backend, and one call that reads a JSON answer only up to
+--kvs-max-answer-bytes and turns every failure into KVSQueryError.
 
 Parsing megabytes of JSON costs every request tens of milliseconds of the event loop, and the
 store is advice, not a dependency: a longer answer fails the lookup unread (KVSAnswerTooLarge).
@@ -7,9 +8,13 @@ store is advice, not a dependency: a longer answer fails the lookup unread (KVSA
 
 from __future__ import annotations
 
-import aiohttp
+from typing import Any
 
-from kvgate.kvs_client.base import KVSAnswerTooLarge
+import aiohttp
+import orjson
+from yarl import URL
+
+from kvgate.kvs_client.base import KVSAnswerTooLarge, KVSQueryError
 
 
 class StoreSession:
@@ -33,6 +38,23 @@ class StoreSession:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+    async def json(self, method: str, url: str | URL, what: str, max_bytes: int, **kwargs: Any) -> Any:
+        """The decoded JSON answer of `method url` (kwargs go to aiohttp), or KVSQueryError for a
+        transport failure, a status other than 200, an answer over `max_bytes` or invalid JSON.
+        `what` names the call in errors ("GET http://master:9003/batch_query_keys")."""
+        try:
+            async with self.get().request(method, url, **kwargs) as response:
+                body = await read_bounded(response, max_bytes, what)
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise KVSQueryError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if status != 200:
+            raise KVSQueryError(f"{what}: HTTP {status}: {body[:200]!r}")
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise KVSQueryError(f"{what}: invalid JSON: {exc}") from exc
 
 
 async def read_bounded(response: aiohttp.ClientResponse, limit: int, what: str) -> bytes:

@@ -34,12 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
-import orjson
 from yarl import URL
 
 from kvgate.kvs_client.base import SHARED_STORAGE, Endpoints, HashedPrompt, KVSAnswer, KVSQueryError
-from kvgate.kvs_client.http_store import StoreSession, read_bounded
+from kvgate.kvs_client.http_store import StoreSession
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +131,8 @@ class MooncakeMasterBackend:
         return batches
 
     async def _query_batch(self, batch: BatchRequest) -> KVSAnswer:
-        try:
-            async with self._session.get().get(URL(batch.url, encoded=True)) as response:
-                body = await read_bounded(response, self.max_answer_bytes, f"GET {self.base_url}{QUERY_PATH}")
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: {type(exc).__name__}: {exc}") from exc
-        if status != 200:
-            raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: HTTP {status}: {body[:200]!r}")
-        try:
-            document = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise KVSQueryError(f"GET {self.base_url}{QUERY_PATH}: invalid JSON: {exc}") from exc
+        document = await self._session.json("GET", URL(batch.url, encoded=True), f"GET {self.base_url}{QUERY_PATH}",
+                                            self.max_answer_bytes)
         return self._parse(document, batch.keys)
 
     def _parse(self, document: Any, keys: list[str]) -> KVSAnswer:
