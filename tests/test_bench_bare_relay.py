@@ -13,6 +13,6 @@ def test_the_bare_relay_relays_every_request_and_reports_its_cpu(tmp_path):
     assert row.labels == [FLOOR] and row.errors(FLOOR) == 0 and row.errors(DIRECT) == 0
     [run] = row.runs
     relayed = run.routed[FLOOR]
-    # CPU per request needs the relay's own count of answers (its /metrics), as for a gateway.
+    # CPU per request: the relay's CPU over every answer the loop received, as for a gateway.
     assert relayed.result.requests > 0 and relayed.cpu_ms_per_request is not None and relayed.cpu_ms_per_request > 0
     assert row.added_ms(FLOOR, "p50") is not None and FLOOR in render([row])

@@ -120,3 +120,5 @@ async def test_closed_loop_is_bounded_and_counts():
     assert result.latency.count == result.requests == len(result.latencies_s)
     assert list(result.latencies_s) == sorted(result.latencies_s)
     assert refused.requests == 0 and refused.errors == {"http_429": 5}
+    # Every answer the server sent is counted, of any status and warm-up included (CPU per answer).
+    assert result.answers > result.requests and refused.answers == 5

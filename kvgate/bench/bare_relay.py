@@ -2,7 +2,7 @@
 kvgate's upstream client, and nothing else.
 
 No middleware, no parsing, no tokenizing, hashing, store lookup or decision, no account and no
-metrics but the one counter the benchmark reads to count answers. Set up as `kvgate serve` is (uvloop,
+metrics. Set up as `kvgate serve` is (uvloop,
 handler cancellation, no access log, the same garbage-collector tuning), so its CPU per request is
 what the gateway's HTTP plumbing costs, and kvgate's figure minus this one is what routing costs.
 
@@ -15,7 +15,6 @@ import argparse
 import asyncio
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from kvgate.gateway.server import tune_gc
 from kvgate.gateway.upstream import UpstreamPool
@@ -25,9 +24,6 @@ _HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
 
 def make_app(backend_url: str) -> web.Application:
-    registry = CollectorRegistry()
-    # The name and labels `kvgate bench overhead` reads from a gateway's /metrics.
-    answered = Counter("kvgate_requests", "Requests answered.", ["route", "status"], registry=registry)
     pool = UpstreamPool(connect_timeout_s=5.0, read_timeout_s=60.0)
 
     async def relay(request: web.Request) -> web.StreamResponse:
@@ -36,15 +32,11 @@ def make_app(backend_url: str) -> web.Application:
             body = await upstream.read()
         finally:
             upstream.release()
-        answered.labels(COMPLETIONS, str(upstream.status)).inc()
         return web.Response(status=upstream.status, body=body,
                             headers={"Content-Type": upstream.content_type or "application/json"})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": []})
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def close_pool(app: web.Application) -> None:
         pool.close()
@@ -52,7 +44,6 @@ def make_app(backend_url: str) -> web.Application:
     app = web.Application()
     app.router.add_post(COMPLETIONS, relay)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
     app.on_cleanup.append(close_pool)
     return app
 

@@ -253,6 +253,8 @@ class ClosedLoopResult:
     latency: LatencyStats | None
     # Sorted latencies of successful requests (seconds), for CDFs and differences between runs.
     latencies_s: tuple[float, ...] = field(repr=False, default=())
+    # Every answer the target sent, of any status, warm-up included: the work its CPU time paid for.
+    answers: int = 0
 
 
 async def closed_loop(
@@ -279,10 +281,10 @@ async def closed_loop(
         begin = time.perf_counter()
         measure_from = begin + warmup_s
         stop_at = measure_from + duration_s
-        sent = 0
+        sent = answers = 0
 
         async def worker() -> None:
-            nonlocal sent
+            nonlocal sent, answers
             while sent < max_requests and time.perf_counter() < stop_at:
                 started = time.perf_counter()
                 if started >= measure_from:
@@ -291,6 +293,7 @@ async def closed_loop(
                 try:
                     async with session.post(url, data=body, headers=JSON_HEADERS) as response:
                         await response.read()
+                        answers += 1
                         if response.status != 200:
                             error = f"http_{response.status}"
                 except TimeoutError:
@@ -316,6 +319,7 @@ async def closed_loop(
         requests_per_s=len(ordered) / elapsed,
         latency=LatencyStats.of(ordered),
         latencies_s=ordered,
+        answers=answers,
     )
 
 

@@ -16,9 +16,10 @@ Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
 
 Added latency = router percentile - direct percentile, measured in the same run. The request rate
 is the closed loop's rate. "vs peer" is a router's rate over sglang-router cache_aware's in the
-same run. Latency on a shared machine moves with its load; the gateway's CPU time per request (its
-processes' CPU from /proc, over the requests its own counter saw) does much less, so it is reported
-too. With --runs N the whole sequence is repeated N times against the same processes and every
+same run. Latency on a shared machine moves with its load; a router's CPU time per request (its
+processes' CPU from /proc over the loop, divided by every answer the loop received, warm-up
+included: the loop is its only client) does much less, so it is reported too, for every router,
+sglang-router included. With --runs N the whole sequence is repeated N times against the same processes and every
 figure is the median over the runs (each run's added latency against its own baseline).
 """
 
@@ -39,13 +40,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from tabulate import tabulate
 from tqdm import tqdm
 
 from kvgate.bench import peers
 from kvgate.bench.loadgen import OVERHEAD_PROMPT, ClosedLoopResult, closed_loop_in_process, in_own_process
-from kvgate.bench.routers.processes import instant_backends, router
+from kvgate.bench.routers.processes import RouterProcess, instant_backends, router
 from kvgate.bench.routers.targets import DIRECT, OVERHEAD_CACHE_AWARE_MIN_TOKENS, Target
 from kvgate.mock_engine.server import DEFAULT_MODEL
 from kvgate.processes import LocalProcess, free_port
@@ -162,38 +162,23 @@ def _process_tree(pid: int) -> list[int]:
     return pids
 
 
-@dataclass(frozen=True)
-class GatewayProcess:
-    url: str
-    pid: int
-
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the gateway's processes (Linux /proc), None elsewhere."""
-        total = 0.0
-        for pid in _process_tree(self.pid):
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                if pid == self.pid:
-                    return None
-                continue
-            # Fields 14 and 15 of stat(5) (utime, stime), counted after the ")" that ends the command name.
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
-
-    def requests_answered(self) -> float:
-        """The gateway's own count of 200 answers on /v1/completions."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5.0) as response:
-            for family in text_string_to_metric_families(response.read().decode()):
-                for sample in family.samples:
-                    if (sample.name == "kvgate_requests_total" and sample.labels.get("status") == "200"
-                            and sample.labels.get("route") == "/v1/completions"):
-                        return sample.value
-        return 0.0
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of `pid` and its descendants (Linux /proc), None elsewhere."""
+    total = 0.0
+    for member in _process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            if member == pid:
+                return None
+            continue
+        # Fields 14 and 15 of stat(5) (utime, stime), counted after the ")" that ends the command name.
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 @contextlib.contextmanager
-def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterator[GatewayProcess]:
+def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterator[RouterProcess]:
     port = free_port()
     config = {
         "host": "127.0.0.1",
@@ -215,20 +200,20 @@ def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterat
         # With workers, one may listen before the others: wait for the supervisor's line.
         process.wait_ready(lambda: _listening(url) and (workers == 1 or _said_listening(process)),
                            "kvgate serve", _START_TIMEOUT_S)
-        yield GatewayProcess(url, process.pid)
+        yield RouterProcess(url, process.pid)
     finally:
         process.stop()
 
 
 @contextlib.contextmanager
-def bare_relay_process(backend_url: str, log_dir: Path) -> Iterator[GatewayProcess]:
+def bare_relay_process(backend_url: str, log_dir: Path) -> Iterator[RouterProcess]:
     port = free_port()
     argv = [sys.executable, "-m", "kvgate.bench.bare_relay", "--port", str(port), "--backend", backend_url]
     process = LocalProcess(argv, log_dir / "bare-relay.log")
     url = f"http://127.0.0.1:{port}"
     try:
         process.wait_ready(lambda: _listening(url), "bare relay", _START_TIMEOUT_S)
-        yield GatewayProcess(url, process.pid)
+        yield RouterProcess(url, process.pid)
     finally:
         process.stop()
 
@@ -243,13 +228,16 @@ def _loop(config: OverheadConfig, base_url: str, concurrency: int) -> ClosedLoop
                           config.duration_s, config.max_requests, timeout_s=config.duration_s + 60.0)
 
 
-def _gateway_loop(config: OverheadConfig, gateway: GatewayProcess, concurrency: int) -> RoutedLoop:
-    cpu_before, answered_before = gateway.cpu_seconds(), gateway.requests_answered()
-    result = _loop(config, gateway.url, concurrency)
-    cpu_after, answered = gateway.cpu_seconds(), gateway.requests_answered() - answered_before
+def _routed_loop(config: OverheadConfig, routed: RouterProcess, concurrency: int) -> RoutedLoop:
+    """The loop through a router, with the router's CPU time over the answers it sent (the loop is
+    its only client)."""
+    assert routed.pid is not None
+    cpu_before = cpu_seconds(routed.pid)
+    result = _loop(config, routed.url, concurrency)
+    cpu_after = cpu_seconds(routed.pid)
     cpu_ms = None
-    if cpu_before is not None and cpu_after is not None and answered:
-        cpu_ms = (cpu_after - cpu_before) / answered * 1000
+    if cpu_before is not None and cpu_after is not None and result.answers:
+        cpu_ms = (cpu_after - cpu_before) / result.answers * 1000
     return RoutedLoop(result, cpu_ms)
 
 
@@ -261,30 +249,26 @@ def measure(config: OverheadConfig, log_dir: Path, log: Callable[[str], None] = 
     runs: dict[int, list[OverheadRun]] = {concurrency: [] for concurrency in config.concurrency}
     with contextlib.ExitStack() as stack:
         backends = stack.enter_context(instant_backends(1, log_dir))
-        gateways = {gateway_label(n): stack.enter_context(gateway_process(backends[0].url, log_dir, n))
+        routers = {gateway_label(n): stack.enter_context(gateway_process(backends[0].url, log_dir, n))
                     for n in config.workers}
         if config.floor:
-            gateways[FLOOR] = stack.enter_context(bare_relay_process(backends[0].url, log_dir))
-        peer_url = None
+            routers[FLOOR] = stack.enter_context(bare_relay_process(backends[0].url, log_dir))
         if config.peers:
             env = peers.ensure_peers(config.venv_dir, {PEER.router: peers.PEER_VERSIONS[PEER.router]}, log=log,
                                      install=config.install_peers)
             if PEER.router in env.ready:
-                peer_url = stack.enter_context(router(PEER, backends, env, "", "", log_dir, "overhead"))
+                routers[PEER.label] = stack.enter_context(router(PEER, backends, env, "", "", log_dir, "overhead"))
             else:
                 log(f"{PEER.label}: unavailable: {env.unavailable.get(PEER.router)}")
-        steps = config.runs * len(config.concurrency) * (1 + len(gateways) + (peer_url is not None))
+        steps = config.runs * len(config.concurrency) * (1 + len(routers))
         with tqdm(total=steps, desc="loops", unit="loop", file=sys.stderr, leave=False) as progress:
             for _ in range(config.runs):
                 for concurrency in config.concurrency:
                     direct = _loop(config, backends[0].url, concurrency)
                     progress.update()
                     routed = {}
-                    for label, gateway in gateways.items():
-                        routed[label] = _gateway_loop(config, gateway, concurrency)
-                        progress.update()
-                    if peer_url is not None:
-                        routed[PEER.label] = RoutedLoop(_loop(config, peer_url, concurrency))
+                    for label, routed_process in routers.items():
+                        routed[label] = _routed_loop(config, routed_process, concurrency)
                         progress.update()
                     runs[concurrency].append(OverheadRun(direct, routed))
     return [OverheadRow(concurrency, tuple(results)) for concurrency, results in runs.items()]

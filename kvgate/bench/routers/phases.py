@@ -127,7 +127,8 @@ def run_targets(config: RoutersConfig, log_dir: Path) -> list[TargetResult]:
                     _flush(redis.url)
                     with pinned(other_cpus), mock_engines(config, redis.url, log_dir) as engines, \
                             router(target, engines, env, redis.url, config.tokenizer, log_dir, "replay",
-                                   router_cpus) as url:
+                                   router_cpus) as routed:
+                        url = routed.url
                         _replay_phase(config, url, result, replay_budget_s)
                         result.engine_prompt_tokens = tuple(engine_prompt_tokens(e) for e in engines)
                         if target.router == KVGATE:
@@ -135,8 +136,8 @@ def run_targets(config: RoutersConfig, log_dir: Path) -> list[TargetResult]:
                         if target == Target("vllm-router", "cache_aware") and not serves_tokenize(engines[0]):
                             result.notes.append("engines answer 404 to /tokenize: its tree works without token ids")
                 log(f"[{number}/{len(config.targets)}] {target.label}: overhead")
-                with router(target, fast, env, redis.url, config.tokenizer, log_dir, "overhead") as url:
-                    _overhead_phase(config, url, result)
+                with router(target, fast, env, redis.url, config.tokenizer, log_dir, "overhead") as routed:
+                    _overhead_phase(config, routed.url, result)
                 result.load_average = os.getloadavg()
             except (ServiceStartError, multiprocessing.TimeoutError, OSError, RuntimeError) as exc:
                 result.status = "failed"

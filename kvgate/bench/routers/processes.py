@@ -36,7 +36,7 @@ def _models_listed(base_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def _processes(specs: Sequence[tuple[list[str], Path, str, str]]) -> Iterator[None]:
+def _processes(specs: Sequence[tuple[list[str], Path, str, str]]) -> Iterator[list[LocalProcess]]:
     """Start every (argv, log, base_url, what) at once, wait until each lists its models, stop all on exit."""
     started: list[LocalProcess] = []
     try:
@@ -44,7 +44,7 @@ def _processes(specs: Sequence[tuple[list[str], Path, str, str]]) -> Iterator[No
             started.append(LocalProcess(argv, log_path))
         for process, (_, _, base_url, what) in zip(started, specs, strict=True):
             process.wait_ready(lambda url=base_url: _models_listed(url), what, _START_TIMEOUT_S)
-        yield
+        yield started
     finally:
         for process in started:
             process.stop()
@@ -52,6 +52,12 @@ def _processes(specs: Sequence[tuple[list[str], Path, str, str]]) -> Iterator[No
 
 def _kvgate_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvgate.cli", *args]
+
+
+@dataclass(frozen=True)
+class RouterProcess:
+    url: str  # the base URL clients send to
+    pid: int | None  # None for DIRECT: no router between the clients and the engine
 
 
 @dataclass(frozen=True)
@@ -142,10 +148,10 @@ def pinned(cpus: set[int] | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment, redis_url: str,
-           tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None) -> Iterator[str]:
-    """The target in front of `engines`, on `cpus` if given; yields the base URL clients send to."""
+           tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None) -> Iterator[RouterProcess]:
+    """The target in front of `engines`, on `cpus` if given."""
     if target.router == DIRECT:
-        yield engines[0].url
+        yield RouterProcess(engines[0].url, None)
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -162,5 +168,5 @@ def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment
                      policy=target.policy)
     if cpus is not None:
         argv = ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus))), *argv]
-    with _processes([(argv, log_dir / f"{slug}.log", url, target.label)]):
-        yield url
+    with _processes([(argv, log_dir / f"{slug}.log", url, target.label)]) as (process,):
+        yield RouterProcess(url, process.pid)
