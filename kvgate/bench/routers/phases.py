@@ -128,11 +128,10 @@ def run_targets(config: RoutersConfig, log_dir: Path) -> list[TargetResult]:
                     with pinned(other_cpus), mock_engines(config, redis.url, log_dir) as engines, \
                             router(target, engines, env, redis.url, config.tokenizer, log_dir, "replay",
                                    router_cpus) as routed:
-                        url = routed.url
-                        _replay_phase(config, url, result, replay_budget_s)
+                        _replay_phase(config, routed.url, result, replay_budget_s)
                         result.engine_prompt_tokens = tuple(engine_prompt_tokens(e) for e in engines)
                         if target.router == KVGATE:
-                            result.gateway_stage_ms = gateway_stage_ms(url)
+                            result.gateway_stage_ms = gateway_stage_ms(routed.url)
                         if target == Target("vllm-router", "cache_aware") and not serves_tokenize(engines[0]):
                             result.notes.append("engines answer 404 to /tokenize: its tree works without token ids")
                 log(f"[{number}/{len(config.targets)}] {target.label}: overhead")
