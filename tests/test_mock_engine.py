@@ -248,6 +248,7 @@ async def test_metrics_use_vllm_names(engine_factory):
         (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": "3"}', 400, "max_tokens"),
         (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "stream": "yes"}', 400, "stream"),
         (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "n": 0}', 400, "n"),
+        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "n": 1099511627776, "stream": true}', 400, "n"),
         (b'{"model": "other", "prompt": [1, 2]}', 404, "model"),
         (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": 1000000}', 400, "max_tokens"),
         (b'{"model": "kvgate/mock-llm", "prompt": "text needs a tokenizer"}', 400, "prompt"),

@@ -146,6 +146,11 @@ def validated_chat(body: dict[str, Any], raw: bytes) -> ParsedRequest:
 
 # --- the fields that shape scheduling and the relay: one check per field ---
 
+# OpenAI's own maximum. Engines take any n: one request with a huge n keeps an engine busy making
+# its samples (a mock engine's memory grew by gigabytes a second), the health checks then eject it,
+# and the forwarder retries the request on the next instance, and so on through the fleet.
+MAX_N = 128
+
 def check_shaping_fields(body: dict[str, Any], stream: bool) -> None:
     """400 for a wrongly typed max_tokens, max_completion_tokens, n or stream_options (absent or
     null means the engine's default). Everything else passes through unchecked."""
@@ -163,8 +168,8 @@ def check_max_tokens(body: dict[str, Any], field: str) -> None:
 
 def check_n(body: dict[str, Any]) -> None:
     value = body.get("n")
-    if value is not None and (type(value) is not int or value < 1):
-        raise APIError(400, "invalid 'n': must be a positive integer", param="n")
+    if value is not None and (type(value) is not int or not 1 <= value <= MAX_N):
+        raise APIError(400, f"invalid 'n': must be a positive integer, at most {MAX_N}", param="n")
 
 
 def add_special_tokens(body: dict[str, Any], chat: bool) -> bool:

@@ -45,7 +45,7 @@ def parse_generation(raw: bytes, chat: bool, served_model: str) -> GenerationReq
         if body.get(field) is not None:
             max_tokens = _positive_int(body[field], field)
             break
-    # Types were checked by the parser (n a positive integer, stream_options an object).
+    # Types were checked by the parser (n a positive integer up to MAX_N, stream_options an object).
     n = body.get("n") or 1
     options: Any = body.get("stream_options") or {}
     return GenerationRequest(parsed, max_tokens, bool(options.get("include_usage", False)), n)
