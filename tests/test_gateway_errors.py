@@ -61,6 +61,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": [-1]}', "prompt", "token ids"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["a", 5]}', "prompt", "list of either"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["a", ""]}', "prompt", "empty"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": ["a", [1]]}', "prompt", "not both"),
+    (COMPLETIONS, b'{"model": "scripted-model", "prompt": [[1], "a"]}', "prompt", "not both"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": {"text": "x"}}', "prompt", "string"),
     (COMPLETIONS, b'{"model": "scripted-model", "prompt": "x", "stream": "yes"}', "stream", "boolean"),
     (CHAT, b'{"model": "scripted-model", "messages": []}', "messages", "at least 1"),

@@ -49,6 +49,10 @@ class CompletionBody(_OpenAIBody):
                                  "or a list of either")
             if not one:
                 raise ValueError("must not be empty")
+        # As OpenAI and vLLM type it: strings or token-id lists, not both (an engine reads the
+        # batch as one kind, and the gateway routes it on its first prompt as that kind).
+        if any(type(one) is not type(batch[0]) for one in batch):
+            raise ValueError("a batch must be all strings or all lists of token ids, not both")
         return batch
 
 
