@@ -2,9 +2,9 @@
 kvgate's upstream client, and nothing else.
 
 No middleware, no parsing, no tokenizing, hashing, store lookup or decision, no account and no
-metrics. Set up as `kvgate serve` is (uvloop,
-handler cancellation, no access log, the same garbage-collector tuning), so its CPU per request is
-what the gateway's HTTP plumbing costs, and kvgate's figure minus this one is what routing costs.
+metrics. Set up as `kvgate serve` is (uvloop, handler cancellation, no access log, the same
+garbage-collector tuning), so its CPU per request is what the gateway's HTTP plumbing costs, and
+kvgate's figure minus this one is what routing costs.
 
 Run: python -m kvgate.bench.bare_relay --port P --backend URL
 """

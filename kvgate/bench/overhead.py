@@ -16,11 +16,12 @@ Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
 
 Added latency = router percentile - direct percentile, measured in the same run. The request rate
 is the closed loop's rate. "vs peer" is a router's rate over sglang-router cache_aware's in the
-same run. Latency on a shared machine moves with its load; a router's CPU time per request (its
-processes' CPU from /proc over the loop, divided by every answer the loop received, warm-up
-included: the loop is its only client) does much less, so it is reported too, for every router,
-sglang-router included. With --runs N the whole sequence is repeated N times against the same processes and every
-figure is the median over the runs (each run's added latency against its own baseline).
+same run. Latency on a shared machine moves with its load; a router's CPU time per request does
+much less, so it is reported too, for every router, sglang-router included: its processes' CPU
+from /proc over the loop, divided by every answer the loop received, warm-up included (the loop
+is its only client). With --runs N the whole sequence is repeated N times against the same
+processes and every figure is the median over the runs (each run's added latency against its own
+baseline).
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def measure(config: OverheadConfig, log_dir: Path, log: Callable[[str], None] = 
     with contextlib.ExitStack() as stack:
         backends = stack.enter_context(instant_backends(1, log_dir))
         routers = {gateway_label(n): stack.enter_context(gateway_process(backends[0].url, log_dir, n))
-                    for n in config.workers}
+                   for n in config.workers}
         if config.floor:
             routers[FLOOR] = stack.enter_context(bare_relay_process(backends[0].url, log_dir))
         if config.peers:
