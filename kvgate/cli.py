@@ -17,6 +17,7 @@ COMMANDS = {
     "bench": "kvgate.commands.bench",
     "doctor": "kvgate.commands.doctor",
     "plan": "kvgate.commands.plan",
+    "engines": "kvgate.commands.engines",
 }
 
 

@@ -6,6 +6,7 @@ Used by the service launchers (kvs_client/launch.py), the benchmarks and the tes
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -39,8 +40,8 @@ def tcp_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
         return False
 
 
-def die_with_parent(argv: list[str]) -> list[str]:
-    """Prefix argv so the child gets SIGKILL if this process dies without cleaning up.
+def die_with_parent(argv: list[str], signal_name: str = "KILL") -> list[str]:
+    """Prefix argv so the child gets SIGKILL (or `signal_name`) if this process dies without cleaning up.
 
     `setpriv --pdeathsig` (util-linux) sets the parent-death signal, which survives the exec
     into the real program. The signal fires when the *thread* that forked exits, so it is only
@@ -49,18 +50,36 @@ def die_with_parent(argv: list[str]) -> list[str]:
     setpriv = shutil.which("setpriv")
     if setpriv is None or threading.current_thread() is not threading.main_thread():
         return argv
-    return [setpriv, "--pdeathsig", "KILL", "--", *argv]
+    return [setpriv, "--pdeathsig", signal_name, "--", *argv]
 
 
 class LocalProcess:
-    """A child process with its output in a log file; stop() always reaps it."""
+    """A child process with its output in a log file; stop() always reaps it.
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    With `process_group`, the child leads a process group of its own and is signalled as a group, so
+    programs that fork helpers (vLLM's engine core and workers) leave none behind; `death_signal` is
+    what it gets if this process dies first (TERM lets such a program stop its helpers itself).
+    """
+
+    def __init__(
+        self,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        process_group: bool = False,
+        death_signal: str = "KILL",
+    ) -> None:
         self.argv = argv
         self.log_path = log_path
+        self._group = process_group
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            die_with_parent(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            die_with_parent(argv, death_signal),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=process_group,
         )
 
     @property
@@ -78,20 +97,30 @@ class LocalProcess:
         return data.decode("utf-8", "replace")
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would; used by fault tests."""
-        if self.alive():
-            self.process.kill()
+        """SIGKILL, as a crash would; used by fault tests. A group dies whole."""
+        self._signal(signal.SIGKILL)
         self.process.wait(timeout=10)
 
     def stop(self, grace_s: float = 5.0) -> None:
         if self.alive():
-            self.process.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal(signal.SIGKILL)
                 self.process.wait(timeout=10)
+        if self._group:
+            self._signal(signal.SIGKILL)  # helpers the leader left behind
         self._log.close()
+
+    def _signal(self, signum: int) -> None:
+        try:
+            if self._group:
+                os.killpg(self.process.pid, signum)
+            elif self.alive():
+                self.process.send_signal(signum)
+        except ProcessLookupError:
+            pass
 
     def wait_ready(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -25,6 +25,7 @@ from kvgate.gateway.auth import ClientAuth
 from kvgate.gateway.background import every
 from kvgate.gateway.client_timeout import body_timeout_middleware
 from kvgate.gateway.drain import DRAIN, ShutdownDrain
+from kvgate.gateway.engine_context import EngineContextProbe
 from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
 from kvgate.gateway.forwarder import Forwarder
@@ -171,6 +172,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
+    context_probe = EngineContextProbe(gateway.registry, session, gateway.planner.prompt_limit,
+                                       timeout_s=settings.upstream_connect_timeout_s)
     poller = EngineStatsPoller(gateway.registry, session, gateway.account,
                                timeout_s=min(settings.stats_poll_interval_s, settings.upstream_connect_timeout_s))
 
@@ -180,6 +183,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
     jobs: list[tuple[float, Callable[[], Awaitable[None]], str]] = [
         (_EXPIRY_INTERVAL_S, expire, "account expiry and idle connections"),
+        (settings.health_check_interval_s, context_probe.learn_all, "engine context lengths"),
     ]
     sync: AccountSync | None = None
     # Probing engines and syncing replicas is done once per gateway: by its leader worker.

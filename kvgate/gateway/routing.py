@@ -118,7 +118,7 @@ class RoutePlanner:
         executor: Executor | None = None,
         decode_ledger: DecodeLedger | None = None,
     ) -> None:
-        self._prompt_limit = prompt_limit
+        self.prompt_limit = prompt_limit
         self._window = window
         self._scheduler = scheduler
         self._kvs = kvs
@@ -219,7 +219,7 @@ class RoutePlanner:
         # stream chunks, and own partial failures, that the engine already handles as one request.
         # The first prompt's prefix hit stands for the batch's; the account counts its miss once
         # per prompt (forwarder.py).
-        limit = self._prompt_limit.tokens(request.model)
+        limit = self.prompt_limit.tokens(request.model)
         param = "messages" if request.messages is not None else "prompt"
         if request.prompt_ids is not None:
             if len(request.prompt_ids) > limit:

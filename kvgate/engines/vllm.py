@@ -1,0 +1,186 @@
+"""Real vLLM engines on loopback: the flags kvgate needs, start, readiness, stop.
+
+One `VLLMEngineSpec` per engine names everything that must match the gateway (hash algorithm, block
+size, hash seed) and everything an engine of a kvgate fleet exposes (KV events, NIXL for a prefill or
+decode role). `VLLMEngine` runs one as a process group pinned to one core; `vllm_fleet` starts several at
+once (start-up is ~1 minute each, mostly compiling, so they start in parallel) and stops them all.
+
+vLLM's CPU build is started as `python -m vllm.entrypoints.openai.api_server`: its `vllm serve` entry
+point cannot find its own distribution name. Each engine's OpenMP threads are bound to one core
+(`VLLM_CPU_OMP_THREADS_BIND`): with the default binding two engines on two cores fight for both and a
+16-token answer takes seconds instead of a tenth of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kvgate.engines.install import EngineVenv
+from kvgate.processes import LOOPBACK, LocalProcess, free_port
+
+EngineRole = Literal["neutral", "prefill", "decode"]
+START_TIMEOUT_S = 240.0
+
+
+@dataclass(frozen=True)
+class VLLMEngineSpec:
+    """One engine's command line and environment; ports default to free loopback ports."""
+
+    model_dir: Path
+    served_model_name: str
+    core: int = 0
+    role: EngineRole = "neutral"
+    port: int = field(default_factory=free_port)
+    block_size: int = 256
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str = "0"  # PYTHONHASHSEED: the string kvgate reads from GO_HASH_SEED
+    max_model_len: int = 4096
+    kv_cache_gib: float = 1.0
+    kv_events: bool = True
+    kv_events_port: int = field(default_factory=free_port)
+    kv_events_replay_port: int = field(default_factory=free_port)
+    kv_events_int_hashes: bool = True
+    nixl_side_channel_port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        """Where a subscriber connects (the engine binds on every interface: `tcp://*:PORT`)."""
+        return f"tcp://{LOOPBACK}:{self.kv_events_port}"
+
+    @property
+    def kv_events_replay_endpoint(self) -> str:
+        return f"tcp://{LOOPBACK}:{self.kv_events_replay_port}"
+
+    def argv(self, python: Path) -> list[str]:
+        argv = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", LOOPBACK, "--port", str(self.port),
+            "--dtype", "bfloat16",
+            "--max-model-len", str(self.max_model_len),
+            "--enable-prefix-caching",
+            "--prefix-caching-hash-algo", self.hash_algo,
+            "--block-size", str(self.block_size),
+            "--enable-prompt-tokens-details",
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.kv_events:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+                "replay_endpoint": f"tcp://*:{self.kv_events_replay_port}",
+                "topic": "kv-events",
+            }
+            argv += ["--kv-events-config", json.dumps(events)]
+        if self.role != "neutral":
+            transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+            argv += ["--kv-transfer-config", json.dumps(transfer)]
+        return [*argv, *self.extra_args]
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        env = dict(base)
+        env.update(
+            PYTHONHASHSEED=self.hash_seed,
+            VLLM_CPU_KVCACHE_SPACE=f"{self.kv_cache_gib:g}",
+            VLLM_CPU_OMP_THREADS_BIND=str(self.core),
+            VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1" if self.kv_events_int_hashes else "0",
+            VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1",
+        )
+        if self.role != "neutral":
+            env.update(
+                VLLM_NIXL_SIDE_CHANNEL_HOST=LOOPBACK,
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.nixl_side_channel_port),
+                UCX_NET_DEVICES="lo",
+            )
+        return env
+
+
+class VLLMEngine:
+    """A running engine: its spec, its process group and its log."""
+
+    def __init__(self, spec: VLLMEngineSpec, venv: EngineVenv, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"vllm-{spec.port}.log"
+        # TERM on the caller's death lets vLLM stop its engine-core and worker processes itself.
+        self.process = LocalProcess(
+            spec.argv(venv.python),
+            self.log_path,
+            env=spec.env(dict(os.environ)),
+            process_group=True,
+            death_signal="TERM",
+        )
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=1.0) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        self.process.wait_ready(self.ready, f"vLLM engine on port {self.spec.port}", timeout_s)
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's unlabelled-by-us Prometheus samples, summed over label sets, by metric name."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5.0) as response:
+            text = response.read().decode()
+        return parse_metric_sums(text)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def stop(self) -> None:
+        self.process.stop(grace_s=15.0)
+
+
+def parse_metric_sums(text: str) -> dict[str, float]:
+    """Prometheus text -> metric sample name -> value summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+@contextlib.contextmanager
+def vllm_fleet(
+    specs: Sequence[VLLMEngineSpec], venv: EngineVenv, log_dir: Path | None = None
+) -> Iterator[list[VLLMEngine]]:
+    """Start every engine at once, wait until all answer, and stop them all on exit (also on errors)."""
+    venv.require_vllm()
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kvgate-vllm-"))
+    engines: list[VLLMEngine] = []
+    try:
+        for spec in specs:
+            engines.append(VLLMEngine(spec, venv, log_dir))
+        started = time.monotonic()
+        for engine in engines:
+            engine.wait_ready(max(1.0, START_TIMEOUT_S - (time.monotonic() - started)))
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
