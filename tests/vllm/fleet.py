@@ -55,3 +55,13 @@ async def _sleep(seconds: float) -> None:
     import asyncio
 
     await asyncio.sleep(seconds)
+
+
+async def engine_sample(engine: VLLMEngine, name: str, **labels: str) -> float:
+    """One sample of the engine's metrics, summed over the label sets that match `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(engine.url + "/metrics") as response:
+        text = await response.text()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))

@@ -1,0 +1,82 @@
+"""Prefill/decode through kvgate with real vLLM engines and NIXL (`pd_protocol: vllm`).
+
+Two prefill engines and one decode engine, started once for the module. The decode engine must get
+the prompt's KV by transfer (vLLM counts it as `external_kv_transfer`), never compute it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import openai
+import pytest
+
+from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.gateway.server import start_gateway
+from kvgate.gateway.state import GATEWAY
+from tests.gateway_helpers import assert_nothing_in_flight, wait_until
+from tests.vllm.fleet import MODEL, engine_sample, module_fleet, wait_engine_idle
+
+_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+@pytest.fixture(scope="module")
+def engines(engine_venv, model_dir, tmp_path_factory):
+    specs = [{"role": "prefill"}, {"role": "prefill"}, {"role": "decode"}]
+    with module_fleet(engine_venv, model_dir, tmp_path_factory.mktemp("vllm-pd"), specs) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+async def gateway(engines, engine_tokenizer):
+    ids = ["p0", "p1", "d0"]
+    settings = Settings(
+        port=0,
+        pd_protocol="vllm",
+        health_check_interval_s=0.5,
+        stats_poll_interval_s=60.0,
+        instances=[InstanceConfig(id=i, url=e.url, model=MODEL, role=e.spec.role) for i, e in zip(ids, engines, strict=True)],
+    )
+    handle = await start_gateway(settings, tokenizer=engine_tokenizer)
+    yield handle
+    await handle.close()
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def test_the_decode_engine_streams_the_answer_from_transferred_kv(engines, gateway):
+    decode = engines[2]
+    before = {s: await engine_sample(decode, _BY_SOURCE, source=s) for s in ("external_kv_transfer", "local_compute")}
+    prompt = [4000 + i for i in range(700)]
+    stream = await client(gateway.url).completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                                           extra_body={"ignore_eos": True})
+    text_chunks = [chunk async for chunk in stream if chunk.choices and chunk.choices[0].text]
+    assert len(text_chunks) == 12
+    after = {s: await engine_sample(decode, _BY_SOURCE, source=s) for s in before}
+    # All 700 prompt tokens reached the decode engine by KV transfer; it computed none of them
+    # (the last prompt token is recomputed by vLLM's decode only when the transfer is short of it).
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == len(prompt)
+    assert after["local_compute"] == before["local_compute"]
+    await assert_nothing_in_flight(gateway)
+
+
+async def test_a_killed_prefill_engine_gets_a_new_pair(engines, gateway):
+    """The prefill engine a request was sent to dies before answering: the request is retried on the
+    other prefill engine with the same decode engine, and every account returns to zero."""
+    account = gateway.app[GATEWAY].account
+    api = client(gateway.url)
+    first = engines[0]
+    os.killpg(first.process.pid, signal.SIGSTOP)
+    # Two fresh prompts: the cache-aware ranking ties, and spreads them over both prefill engines.
+    calls = [asyncio.create_task(api.completions.create(model=MODEL, prompt=[5000 + i] * 600, max_tokens=6))
+             for i in range(2)]
+    await wait_until(lambda: account.inflight("p0")[0] >= 1, timeout_s=20)
+    first.kill()
+    answers = await asyncio.gather(*calls)
+    assert all(answer.usage.completion_tokens == 6 for answer in answers)
+    await wait_engine_idle(engines[2])
+    await assert_nothing_in_flight(gateway)
