@@ -44,7 +44,10 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     workload = ConversationWorkload()
-    parser.add_argument("--engines", type=int, default=4, help="number of mock engines")
+    parser.add_argument("--engines", type=_engines, default=4,
+                        help="number of mock engines, or 'vllm' for real vLLM engines (--vllm-engines of them; "
+                        "install with `kvgate engines install vllm`, docs/ENGINES.md)")
+    parser.add_argument("--vllm-engines", type=int, default=2, help="with --engines vllm: how many (one core each)")
     parser.add_argument("--requests", type=int, default=workload.num_requests, help="requests per policy")
     parser.add_argument(
         "--duration",
@@ -108,6 +111,15 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _engines(value: str) -> int | str:
+    if value == "vllm":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of mock engines or 'vllm', got {value!r}") from None
+
+
 def _requests(args: argparse.Namespace) -> list[ReplayRequest]:
     if args.trace:
         return trace_requests(args.trace, args.requests, args.time_scale, args.max_tokens_cap)
@@ -140,6 +152,12 @@ def _store(use_mooncake: bool) -> Iterator[MooncakeMasterProcess | None]:
 
 
 def _check(args: argparse.Namespace) -> str | None:
+    if args.engines == "vllm":
+        if args.pd or args.prfaas or args.mooncake:
+            return "--engines vllm runs the plain comparison (no --pd, --prfaas or --mooncake)"
+        if not 1 <= args.vllm_engines <= 8:
+            return "--vllm-engines must be in 1..8"
+        return None
     if args.engines < 1 or args.engines > 250:
         return "--engines must be in 1..250 (one loopback IP each)"
     if (args.pd or args.prfaas) and args.engines < 2:
@@ -167,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
+    if args.engines == "vllm":
+        return _run_real(args, requests, started)
     from kvgate.gateway.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()  # the gateway's; the demo's prompts are token ids
@@ -196,11 +216,45 @@ def run(args: argparse.Namespace) -> int:
     except ServiceStartError as exc:
         print(f"demo: {exc}", file=sys.stderr)
         return 1
+    return _report(runs, args, started)
+
+
+def _run_real(args: argparse.Namespace, requests: list[ReplayRequest], started: float) -> int:
+    from kvgate.config.engines import engines_home
+    from kvgate.demo.real_engines import engine_specs, run_real_demo
+    from kvgate.engines.install import EnginesMissing, vllm_venv
+    from kvgate.engines.model import tiny_model
+    from kvgate.engines.vllm import vllm_fleet
+    from kvgate.gateway.tokenizer import load_tokenizer
+
+    home = engines_home()
+    venv = vllm_venv(home)
+    try:
+        model_dir = tiny_model(venv, home)
+    except EnginesMissing as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    capacity = args.cache_capacity_blocks or BUNDLED_CACHE_BLOCKS
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    print(f"kvgate demo: {len(requests)} requests ({prompt_tokens:,} prompt tokens) per policy, "
+          f"{args.vllm_engines} real vLLM engines ({capacity} blocks of KV cache each), cache view: their KV "
+          "events; starting the engines takes about a minute", file=sys.stderr)
+    tokenizer = load_tokenizer(str(model_dir))
+    try:
+        with vllm_fleet(engine_specs(model_dir, args.vllm_engines, capacity), venv) as engines:
+            runs = run_async(lambda: run_real_demo(engines, model_dir, requests, tokenizer,
+                                                   progress=not args.no_progress))
+    except (ServiceStartError, RuntimeError) as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    return _report(runs, args, started)
+
+
+def _report(runs, args: argparse.Namespace, started: float) -> int:
     print(format_table(runs))
-    print(
-        "\nThroughput is the offered load when both runs keep up with it (the replay is open loop); "
-        "TTFTs are real time at --time-scale " + f"{args.time_scale:g}.",
-        file=sys.stderr,
-    )
+    clock = ("TTFTs are the real engines' on this machine." if args.engines == "vllm"
+             else f"TTFTs are real time at --time-scale {args.time_scale:g}.")
+    print("\nThroughput is the offered load when both runs keep up with it (the replay is open loop); " + clock,
+          file=sys.stderr)
     print(f"\n({time.perf_counter() - started:.0f} s in all)", file=sys.stderr)
     return 0 if all(run.summary.completed for run in runs) else 1

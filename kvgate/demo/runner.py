@@ -39,7 +39,7 @@ def trace_requests(path: str, limit: int, time_scale: float, max_tokens_cap: int
     return build_requests(records, speedup=1 / time_scale, max_tokens_cap=max_tokens_cap)
 
 
-def _scheduled(requests: Sequence[ReplayRequest], model: str) -> list[ScheduledRequest]:
+def scheduled_requests(requests: Sequence[ReplayRequest], model: str) -> list[ScheduledRequest]:
     return [ScheduledRequest(r.index, r.send_at_s, orjson.dumps(completion_body(r, model))) for r in requests]
 
 
@@ -56,32 +56,37 @@ async def run_policy(
 ) -> PolicyRun:
     """`label` names the column (default: the policy); `read_gateway(url)` reads figures from the
     gateway once the replay is over, before it stops."""
-    scheduled = _scheduled(requests, spec.engine.model)
+    scheduled = scheduled_requests(requests, spec.engine.model)
     label = label or policy
     figures: dict[str, str] = {}
     async with running_fleet(spec, policy, tokenizer) as gateway_url:
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=len(scheduled), unit="req", desc=f"{label:>12}", file=sys.stderr, leave=True
-            )
-        started = time.perf_counter()
-        try:
-            outcomes = await replay(
-                f"{gateway_url}/v1/completions",
-                scheduled,
-                timeout_s=timeout_s,
-                on_done=(lambda _: bar.update()) if bar is not None else None,
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-        duration = time.perf_counter() - started
+        summary = await replay_through(gateway_url, scheduled, label, progress, timeout_s)
         if read_gateway is not None:
             figures = await read_gateway(gateway_url)
-    return PolicyRun(label, summarize_replay(outcomes, duration), figures)
+    return PolicyRun(label, summary, figures)
+
+
+async def replay_through(
+    gateway_url: str, scheduled: Sequence[ScheduledRequest], label: str, progress: bool, timeout_s: float
+) -> ReplaySummary:
+    """Replay `scheduled` through the gateway at `gateway_url`, with a progress bar named `label`."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(scheduled), unit="req", desc=f"{label:>12}", file=sys.stderr, leave=True)
+    started = time.perf_counter()
+    try:
+        outcomes = await replay(
+            f"{gateway_url}/v1/completions",
+            scheduled,
+            timeout_s=timeout_s,
+            on_done=(lambda _: bar.update()) if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    return summarize_replay(outcomes, time.perf_counter() - started)
 
 
 async def run_demo(

@@ -51,6 +51,8 @@ class VLLMEngineSpec:
     kv_events_replay_port: int = field(default_factory=free_port)
     kv_events_int_hashes: bool = True
     nixl_side_channel_port: int = field(default_factory=free_port)
+    # vLLM's development routes, among them POST /reset_prefix_cache (the demo empties caches between runs).
+    dev_mode: bool = False
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -104,6 +106,8 @@ class VLLMEngineSpec:
             VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1",
         )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.role != "neutral":
             env.update(
                 VLLM_NIXL_SIDE_CHANNEL_HOST=LOOPBACK,
