@@ -189,7 +189,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if settings.account_sync:
             sync = AccountSync(settings.account_sync, gateway.account.rows,  # type: ignore[arg-type]
                                account_sync_metrics(gateway.prometheus), settings.account_sync_interval_s,
-                               settings.account_sync_ttl_s)
+                               settings.account_sync_ttl_s, max_peers=settings.account_sync_max_peers,
+                               max_row_bytes=settings.account_sync_max_row_bytes)
             jobs.append((settings.account_sync_interval_s, sync.sync_once, "account sync"))
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
     try:

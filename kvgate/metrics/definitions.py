@@ -174,6 +174,7 @@ class AccountSyncMetrics:
     up: Gauge
     replicas: Gauge
     failures: Counter
+    rejected: Counter  # reason: too_large | wrong_type | not_json | bad_schema | out_of_range | too_many_peers
 
 
 def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
@@ -185,6 +186,9 @@ def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
         replicas=Gauge("kvgate_account_sync_replicas", "Other gateway replicas whose rows were folded in last.",
                        registry=registry, multiprocess_mode="livemax"),
         failures=Counter("kvgate_account_sync_failures", "Account sync rounds that failed (store down or slow).",
+                         registry=registry),
+        rejected=Counter("kvgate_account_sync_rejected",
+                         "Other replicas' published values dropped (malformed, too large, beyond the peer limit), by reason.", ["reason"],
                          registry=registry),
     )
 
