@@ -39,6 +39,7 @@ class GatewayMetrics:
     instance_healthy: Gauge  # instance
     outlier_ejections: Counter  # instance
     tokenize_cache_bytes: Gauge
+    routing_panic: Gauge  # model
 
 
 # --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
@@ -162,6 +163,12 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
         tokenize_cache_bytes=Gauge(
             "kvgate_tokenize_cache_bytes", "Bytes held by the tokenize cache (bounded by --tokenize-cache-bytes).",
             registry=registry,
+        ),
+        # Set by the health checks, which run in one worker: "livemax" reports its value once.
+        routing_panic=Gauge(
+            "kvgate_routing_panic",
+            "1 while every instance of a model (in one role) is ejected and requests are routed to them anyway.",
+            ["model"], registry=registry, multiprocess_mode="livemax",
         ),
     )
 
