@@ -6,6 +6,7 @@ Used by the service launchers (kvs_client/launch.py), the benchmarks and the tes
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -51,6 +52,25 @@ def die_with_parent(argv: list[str], signal_name: str = "KILL") -> list[str]:
     if setpriv is None or threading.current_thread() is not threading.main_thread():
         return argv
     return [setpriv, "--pdeathsig", signal_name, "--", *argv]
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with(parent_pid: int) -> None:
+    """Called in a child process: SIGKILL it when `parent_pid`, its parent, dies (however it dies:
+    kill -9 and the OOM killer included), and at once if that parent is already gone.
+
+    Linux only (prctl's parent-death signal, bound to the parent *thread* that started this child,
+    so start children from the main thread); elsewhere a no-op.
+    """
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # died before the signal was armed: it will never come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class LocalProcess:

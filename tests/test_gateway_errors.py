@@ -132,7 +132,7 @@ async def test_unknown_routes_and_methods_answer_openai_errors(gateway):
     assert_openai_error(payload, "invalid_request_error")
 
 
-async def test_no_healthy_instance_is_503():
+async def test_no_routable_instance_is_503():
     handle = await start_gateway(
         gateway_settings({"down": closed_port_url()}, MODEL, health_check_interval_s=0.05,
                          health_check_failures_to_eject=1),
@@ -141,6 +141,11 @@ async def test_no_healthy_instance_is_503():
     try:
         registry = handle.app[GATEWAY].registry
         await wait_until(lambda: not registry.get("down").healthy)
+        # Every instance ejected: tried anyway (panic routing), and its failure is a 502.
+        status, payload = await send(handle.url, "POST", COMPLETIONS, b'{"model": "scripted-model", "prompt": "x"}')
+        assert status == 502
+        assert assert_openai_error(payload, "server_error")["code"] == "upstream_unavailable"
+        registry.drain("down")  # draining instances are never tried
         status, payload = await send(handle.url, "POST", COMPLETIONS, b'{"model": "scripted-model", "prompt": "x"}')
         assert status == 503
         assert assert_openai_error(payload, "server_error")["code"] == "no_healthy_instance"

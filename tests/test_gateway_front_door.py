@@ -13,6 +13,7 @@ import pytest
 
 from kvgate.config.settings import DebugRoutes
 from kvgate.gateway.server import start_gateway
+from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer, wait_until
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 
@@ -102,16 +103,18 @@ async def test_readiness_follows_routable_instances_and_liveness_stays_up(upstre
         status, body = await _get(handle.url, "/health")
         assert status == 200 and orjson.loads(body)["routable_instances"] == 1
 
-        upstream.script.health_status = 503  # the only instance is ejected
+        upstream.script.health_status = 503  # the only instance is ejected: still tried (panic routing)
+        registry = handle.app[GATEWAY].registry
+        await wait_until(lambda: registry.panicking(MODEL))
+        status, body = await _get(handle.url, "/health")
+        assert status == 200 and orjson.loads(body)["panic_instances"] == 1
+        registry.drain("a")  # nothing left to try
         await wait_until_status(handle.url, "/health", 503)
         status, body = await _get(handle.url, "/health")
         payload = orjson.loads(body)
         assert payload["status"] == "unavailable" and payload["routable_instances"] == 0
         assert "routable" in payload["reason"]
         assert (await _get(handle.url, "/livez"))[0] == 200
-
-        upstream.script.health_status = 200
-        await wait_until_status(handle.url, "/health", 200)
     finally:
         await handle.close()
 

@@ -7,12 +7,21 @@ sharing a document prefix (those ask the store). Faults, at fixed fractions of t
 
 - an engine is killed (SIGKILL) and later restarted on the same port;
 - the KV store (redis-server) is killed and later restarted, empty;
-- throughout, some clients hang up after the first chunk and some read a chunk every 50 ms.
+- a poisoned peer: malformed values under the account-sync prefix (the gateway syncs its account
+  through the same Redis), a string, wrong shapes, string, negative and huge counts, 2 MB;
+- throughout, some clients hang up after the first chunk and some read a chunk every 50 ms;
+- throughout, hostile headers: a non-UTF-8 X-Request-Id or Authorization, an 8,000-byte
+  X-Request-Id, too many headers (sent on a raw socket, as no well-behaved client would);
+- throughout, requests for a second model served only by a lying engine (lying_engine.py):
+  negative cached_tokens, and every other stream ending without [DONE].
 
-The only failures a fault may cause are streams cut mid-way by the engine kill (their bytes were
-already relayed, so no retry is possible; they end with an error event). Every other failure is a
-lost request and fails the run, as does any in-flight account entry left at the end. The gateway's
-RSS and open files are printed at start, middle and end.
+Outcomes are counted by category. A well-formed request may only fail as a stream cut mid-way by
+the engine kill (its bytes were already relayed, so no retry is possible; it ends with an error
+event); any other failure is a lost request. A hostile request may be answered or refused with a
+4xx; a lying engine's answer may be relayed, ended with an error event, or refused with a 502.
+Anything else (a 500, a dropped connection, a stream cut silently) is mishandled. A lost or
+mishandled request fails the run, as does any in-flight account entry left at the end. The
+gateway's RSS and open files are printed at start, middle and end.
 """
 
 from __future__ import annotations
@@ -36,14 +45,23 @@ import yaml
 from tabulate import tabulate
 from tqdm import tqdm
 
+from kvgate.gateway.account_sync import KEY_PREFIX
 from kvgate.kvs_client.launch import LocalProcess, RedisServerProcess, free_port, start_redis_server
 
 MODEL = "kvgate/mock-llm"
+LYING_MODEL = "kvgate/lying-llm"  # served by the lying engine alone
 _START_TIMEOUT_S = 90.0
 _JSON = {"Content-Type": "application/json"}
 # A shared document: long prompts are it plus a question, so engines' caches and the store matter.
 _DOCUMENT = " ".join(f"clause {i} of the soak agreement binds the parties to term {i * 7 % 101}." for i in range(400))
 OK, HUNG_UP, CUT_BY_FAULT = "ok", "hung_up", "cut_by_fault"
+WELL_FORMED, HOSTILE, LYING = "well-formed", "hostile headers", "lying engine"
+# What each category may end as; anything else is a lost (well-formed) or mishandled request.
+ALLOWED = {
+    WELL_FORMED: {OK, HUNG_UP, CUT_BY_FAULT},
+    HOSTILE: {OK, "http_400", "http_401", "http_403", "http_413", "http_431"},
+    LYING: {OK, "stream_error", "http_502"},
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,8 @@ class SoakConfig:
     max_tokens: int = 24
     hangup_every: int = 23  # every n-th request hangs up after its first chunk
     slow_every: int = 29  # every n-th request reads its stream slowly
+    hostile_every: int = 11  # every n-th request carries hostile headers (0: none)
+    lying_every: int = 13  # every n-th request asks the lying engine's model (0: none)
     tokenizer: str = ""
     log_dir: Path | None = None
 
@@ -75,6 +95,7 @@ class Outcome:
     result: str  # OK, HUNG_UP, CUT_BY_FAULT or an error kind
     started_s: float
     ended_s: float
+    category: str = WELL_FORMED
 
 
 @dataclass
@@ -95,11 +116,17 @@ class SoakReport:
 
     @property
     def lost(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.result not in (OK, HUNG_UP, CUT_BY_FAULT)]
+        """Well-formed requests that failed other than by a fault's cut."""
+        return [o for o in self.outcomes if o.category == WELL_FORMED and o.result not in ALLOWED[WELL_FORMED]]
+
+    @property
+    def mishandled(self) -> list[Outcome]:
+        """Hostile or lying-engine requests that ended as they may not (a 500, a dropped connection...)."""
+        return [o for o in self.outcomes if o.category != WELL_FORMED and o.result not in ALLOWED[o.category]]
 
     @property
     def passed(self) -> bool:
-        return not self.lost and self.inflight_at_end == 0 and len(self.outcomes) > 0
+        return not self.lost and not self.mishandled and self.inflight_at_end == 0 and len(self.outcomes) > 0
 
 
 # --- processes ------------------------------------------------------------------------------------
@@ -146,14 +173,16 @@ class Engine:
         self.wait_ready()
 
 
-def gateway_config(port: int, engines: list[Engine], redis_url: str, tokenizer: str) -> dict:
+def gateway_config(port: int, engines: list[Engine], redis_url: str, tokenizer: str, liar_url: str) -> dict:
     config = {
         "host": "127.0.0.1", "port": port, "dispatch_policy": "cache_aware", "kvs_backend": "redis",
         "kvs_redis_url": redis_url, "kvs_metadata_service_down_duration_s": 2.0,
         "health_check_interval_s": 0.5, "health_check_failures_to_eject": 2,
         "upstream_first_byte_timeout_s": 10.0, "outlier_consecutive_failures": 3, "outlier_ejection_s": 2.0,
-        "instances": [{"id": f"engine-{i}", "url": e.url, "model": MODEL, "kvs_endpoints": [e.endpoint]}
-                      for i, e in enumerate(engines)],
+        "account_sync": redis_url, "account_sync_interval_s": 0.1, "account_sync_ttl_s": 1.0,
+        "instances": [*({"id": f"engine-{i}", "url": e.url, "model": MODEL, "kvs_endpoints": [e.endpoint]}
+                        for i, e in enumerate(engines)),
+                      {"id": "liar", "url": liar_url, "model": LYING_MODEL}],
     }
     if tokenizer:
         config["tokenizer"] = tokenizer
@@ -169,11 +198,16 @@ def soak_fleet(config: SoakConfig, log_dir: Path) -> Iterator[tuple[str, int, li
             engine = Engine(i, config, redis.url, log_dir)
             stack.callback(lambda e=engine: e.process.stop())
             engines.append(engine)
+        liar_url = f"http://127.0.0.1:{free_port()}"
+        liar = LocalProcess([sys.executable, "-m", "kvgate.bench.lying_engine", "--port", liar_url.rsplit(":", 1)[1],
+                             "--model", LYING_MODEL], log_dir / "lying-engine.log")
+        stack.callback(liar.stop)
         for engine in engines:
             engine.wait_ready()
+        liar.wait_ready(lambda: _answers(liar_url), "lying engine", _START_TIMEOUT_S)
         port = free_port()
         path = log_dir / "gateway.yaml"
-        path.write_text(yaml.safe_dump(gateway_config(port, engines, redis.url, config.tokenizer)))
+        path.write_text(yaml.safe_dump(gateway_config(port, engines, redis.url, config.tokenizer, liar_url)))
         gateway = LocalProcess([sys.executable, "-m", "kvgate.cli", "serve", "--config", str(path),
                                 "--log-level", "WARNING"], log_dir / "gateway.log")
         stack.callback(gateway.stop)
@@ -190,6 +224,7 @@ _GATEWAY_COUNTERS = {
     "store lookups skipped (down)": ("kvgate_kvs_queries", {"outcome": "skipped_down"}),
     "streams broken by an engine": ("kvgate_requests", {"status": "stream_error"}),
     "client hang-ups (499)": ("kvgate_requests", {"status": "499"}),
+    "peer values dropped (account sync)": ("kvgate_account_sync_rejected", {}),
     "tokenize cache MB": ("kvgate_tokenize_cache_bytes", {}),
 }
 
@@ -213,11 +248,11 @@ def inflight_requests(url: str) -> float:
 # --- the workload ---------------------------------------------------------------------------------
 
 
-def request_of(index: int, max_tokens: int) -> tuple[str, str, bytes, bool]:
+def request_of(index: int, max_tokens: int, model: str = MODEL) -> tuple[str, str, bytes, bool]:
     """(kind, path, body, streamed) of the index-th request: a fixed rotation over the mix."""
     chat, stream, long = index % 2 == 0, index % 4 < 2, index % 5 == 0
     text = f"{_DOCUMENT} Question {index}: which term binds clause {index % 400}?" if long else f"Say hi #{index}."
-    body: dict = {"model": MODEL, "max_tokens": max_tokens, "stream": stream}
+    body: dict = {"model": model, "max_tokens": max_tokens, "stream": stream}
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -243,10 +278,51 @@ async def _read_stream(response: aiohttp.ClientResponse, slow: bool, hang_up: bo
     return OK if done else "truncated"
 
 
-async def send_one(session: aiohttp.ClientSession, url: str, index: int, config: SoakConfig) -> tuple[str, str]:
-    hang_up = index % config.hangup_every == config.hangup_every - 1
+# Headers no well-behaved client sends; each is sent on its own request, in turn.
+HOSTILE_HEADERS: dict[str, list[tuple[bytes, bytes]]] = {
+    "non-UTF-8 X-Request-Id": [(b"X-Request-Id", b"req-\xff\xfe\xc3\x28")],
+    "non-UTF-8 Authorization": [(b"Authorization", b"Bearer \xff\xfe\xfd")],
+    "8000-byte X-Request-Id": [(b"X-Request-Id", b"r" * 8000)],
+    "too many headers": [(b"X-Padding-%d" % i, b"v") for i in range(2000)],
+}
+
+
+async def send_hostile(url: str, index: int, config: SoakConfig) -> tuple[str, str]:
+    """A well-formed body with hostile headers, on a raw socket (HTTP clients refuse to send these)."""
+    name = list(HOSTILE_HEADERS)[index // config.hostile_every % len(HOSTILE_HEADERS)]
+    body = orjson.dumps({"model": MODEL, "prompt": f"Say hi #{index}.", "max_tokens": config.max_tokens})
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    lines = [b"POST /v1/completions HTTP/1.1", b"Host: " + host.encode(), b"Content-Type: application/json",
+             b"Content-Length: %d" % len(body), b"Connection: close"]
+    lines += [key + b": " + value for key, value in HOSTILE_HEADERS[name]]
+    try:
+        async with asyncio.timeout(120):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
+                answer = await reader.read()  # to the end: the connection is closed after the answer
+            finally:
+                writer.close()
+    except TimeoutError:
+        return name, "timeout"
+    except OSError as exc:
+        return name, f"client_{type(exc).__name__}"
+    status = answer.split(b" ", 2)[1].decode(errors="replace") if answer.startswith(b"HTTP/1.") else "none"
+    if status == "200":
+        return name, OK if b'"choices"' in answer else "empty_answer"
+    return name, f"http_{status}"
+
+
+async def send_one(session: aiohttp.ClientSession, url: str, index: int, config: SoakConfig) -> tuple[str, str, str]:
+    """(category, kind, result) of the index-th request."""
+    if config.hostile_every and index % config.hostile_every == config.hostile_every - 1:
+        return HOSTILE, *await send_hostile(url, index, config)
+    lying = bool(config.lying_every) and index % config.lying_every == config.lying_every - 1
+    category = LYING if lying else WELL_FORMED
+    hang_up = not lying and index % config.hangup_every == config.hangup_every - 1
     # A hang-up asks for a long answer, so that it really leaves mid-stream.
-    kind, path, body, streamed = request_of(index, config.max_tokens * (20 if hang_up else 1))
+    kind, path, body, streamed = request_of(index, config.max_tokens * (20 if hang_up else 1),
+                                            LYING_MODEL if lying else MODEL)
     hang_up = hang_up and streamed
     slow = streamed and not hang_up and index % config.slow_every == config.slow_every - 1
     kind += " hang-up" if hang_up else " slow-reader" if slow else ""
@@ -254,15 +330,15 @@ async def send_one(session: aiohttp.ClientSession, url: str, index: int, config:
         async with asyncio.timeout(120), session.post(url + path, data=body, headers=_JSON) as response:
             if response.status != 200:
                 await response.read()
-                return kind, f"http_{response.status}"
+                return category, kind, f"http_{response.status}"
             if not streamed:
                 answer = orjson.loads(await response.read())
-                return kind, OK if answer.get("choices") else "empty_answer"
-            return kind, await _read_stream(response, slow, hang_up)
+                return category, kind, OK if answer.get("choices") else "empty_answer"
+            return category, kind, await _read_stream(response, slow, hang_up)
     except TimeoutError:
-        return kind, "timeout"
+        return category, kind, "timeout"
     except aiohttp.ClientError as exc:
-        return kind, f"client_{type(exc).__name__}"
+        return category, kind, f"client_{type(exc).__name__}"
 
 
 async def drive(url: str, gateway_pid: int, faults: list[Fault], config: SoakConfig,
@@ -298,8 +374,8 @@ async def drive(url: str, gateway_pid: int, faults: list[Fault], config: SoakCon
                 if index == config.requests // 2:
                     report.samples.append(sample_process(gateway_pid, "middle"))
                 started = time.monotonic() - start
-                kind, result = await send_one(session, url, index, config)
-                report.outcomes.append(Outcome(kind, result, started, time.monotonic() - start))
+                category, kind, result = await send_one(session, url, index, config)
+                report.outcomes.append(Outcome(kind, result, started, time.monotonic() - start, category))
                 progress.update()
 
         async def fault_loop() -> None:
@@ -320,8 +396,27 @@ def attribute_fault_cuts(report: SoakReport, kill_names: tuple[str, ...]) -> Non
     """A stream that broke while an engine was being killed was cut by that fault, not lost."""
     kills = [f.at_s for f in report.faults if f.name in kill_names and f.at_s is not None]
     for outcome in report.outcomes:
-        if outcome.result == "stream_error" and any(outcome.started_s <= at <= outcome.ended_s for at in kills):
+        if (outcome.category == WELL_FORMED and outcome.result == "stream_error"
+                and any(outcome.started_s <= at <= outcome.ended_s for at in kills)):
             outcome.result = CUT_BY_FAULT
+
+
+def poison_peers(redis_url: str) -> None:
+    """Malformed values under the account-sync prefix, as a broken or hostile replica would write."""
+    import redis
+
+    store = redis.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        store.mset({KEY_PREFIX + "poison-string": b"hello",
+                    KEY_PREFIX + "poison-short-row": orjson.dumps({"engine-0": [1, 2]}),
+                    KEY_PREFIX + "poison-string-counts": orjson.dumps({"engine-0": ["1", "0", "0"]}),
+                    KEY_PREFIX + "poison-negative": orjson.dumps({"engine-1": [-1_000_000, 0, 0]}),
+                    KEY_PREFIX + "poison-float": orjson.dumps({"engine-1": [0.5, 0, 0]}),
+                    KEY_PREFIX + "poison-beyond-int64": b'{"engine-1": [9223372036854775808, 0, 0]}',
+                    KEY_PREFIX + "poison-2mb": b'{"engine-0": [' + b"1, " * 700_000 + b"0]}"})
+        store.rpush(KEY_PREFIX + "poison-list", b"1", b"2", b"3")
+    finally:
+        store.close()
 
 
 def run_soak(config: SoakConfig, log_dir: Path) -> SoakReport:
@@ -333,6 +428,7 @@ def run_soak(config: SoakConfig, log_dir: Path) -> SoakReport:
             Fault(0.30, "engine-0 restarted", victim.restart),
             Fault(0.45, "KV store killed", redis.kill),
             Fault(0.60, "KV store restarted", redis.restart),
+            Fault(0.70, "peer poisoned (account sync)", lambda: poison_peers(redis.url)),
         ]
         report.samples.append(sample_process(pid, "start"))
         asyncio.run(drive(url, pid, report.faults, config, report))
@@ -352,14 +448,14 @@ def run_soak(config: SoakConfig, log_dir: Path) -> SoakReport:
 
 
 def print_report(report: SoakReport, config: SoakConfig) -> None:
-    results = Counter(o.result for o in report.outcomes)
-    print(tabulate(sorted(results.items(), key=lambda item: -item[1]), headers=["result", "requests"],
-                   tablefmt="github"))
-    by_kind = Counter((o.kind, o.result) for o in report.outcomes if o.result != OK)
+    results = Counter((o.category, o.result) for o in report.outcomes)
+    print(tabulate([(c, r, n, "yes" if r in ALLOWED[c] else "NO") for (c, r), n in sorted(results.items())],
+                   headers=["category", "result", "requests", "allowed"], tablefmt="github"))
+    by_kind = Counter((o.category, o.kind, o.result) for o in report.outcomes if o.result != OK)
     if by_kind:
         print()
-        print(tabulate([(k, r, n) for (k, r), n in sorted(by_kind.items())],
-                       headers=["request kind", "result (not ok)", "requests"], tablefmt="github"))
+        print(tabulate([(c, k, r, n) for (c, k, r), n in sorted(by_kind.items())],
+                       headers=["category", "request kind", "result (not ok)", "requests"], tablefmt="github"))
     print()
     print(tabulate([(f.name, f"{f.at_fraction:.0%}", _seconds(f.at_s), _seconds(f.done_s)) for f in report.faults],
                    headers=["fault", "after requests", "began at s", "over at s"], tablefmt="github"))
@@ -371,9 +467,10 @@ def print_report(report: SoakReport, config: SoakConfig) -> None:
     print(tabulate([(s.label, f"{s.rss_mb:.0f}", s.open_files) for s in report.samples],
                    headers=["gateway", "RSS MB", "open files"], tablefmt="github"))
     print(f"\n{len(report.outcomes)} requests in {report.duration_s:.1f} s at concurrency {config.concurrency}, "
-          f"{config.engines} mock engines (time scale {config.time_scale}); lost requests: {len(report.lost)}; "
+          f"{config.engines} mock engines (time scale {config.time_scale}); well-formed requests lost: "
+          f"{len(report.lost)}; hostile or lying-engine requests mishandled: {len(report.mishandled)}; "
           f"in flight at the end: {report.inflight_at_end:.0f}")
-    print("PASS" if report.passed else "FAIL: requests lost or in-flight entries left (see above)")
+    print("PASS" if report.passed else "FAIL: requests lost or mishandled, or in-flight entries left (see above)")
 
 
 def _seconds(value: float | None) -> str:
@@ -393,17 +490,23 @@ def add_parser(subparsers) -> None:
                         help=f"mock engines' real seconds per modelled GPU second (default {d.time_scale})")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help=f"default {d.max_tokens}")
     parser.add_argument("--tokenizer", default="", help="tokenizer of the gateway and the engines (default: kvgate's)")
+    parser.add_argument("--hostile-every", type=int, default=d.hostile_every,
+                        help=f"every n-th request carries hostile headers; 0: none (default {d.hostile_every})")
+    parser.add_argument("--lying-every", type=int, default=d.lying_every,
+                        help=f"every n-th request goes to the lying engine; 0: none (default {d.lying_every})")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep every process's log here")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 10 or args.concurrency < 1 or args.engines < 2 or args.duration_s <= 0:
-        print("kvgate bench soak: needs --requests >= 10, --concurrency >= 1, --engines >= 2, --duration-s > 0",
-              file=sys.stderr)
+    if (args.requests < 10 or args.concurrency < 1 or args.engines < 2 or args.duration_s <= 0
+            or args.hostile_every < 0 or args.lying_every < 0):
+        print("kvgate bench soak: needs --requests >= 10, --concurrency >= 1, --engines >= 2, --duration-s > 0, "
+              "--hostile-every >= 0, --lying-every >= 0", file=sys.stderr)
         return 2
     config = SoakConfig(requests=args.requests, duration_s=args.duration_s, concurrency=args.concurrency,
                         engines=args.engines, time_scale=args.time_scale, max_tokens=args.max_tokens,
+                        hostile_every=args.hostile_every, lying_every=args.lying_every,
                         tokenizer=args.tokenizer, log_dir=args.log_dir)
     with contextlib.ExitStack() as stack:
         if config.log_dir:

@@ -8,13 +8,15 @@ where it came from and the value, which the CLI prints before exiting.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvgate.config.instance_rules import redact_urls_in
 from kvgate.config.settings import Settings
@@ -92,17 +94,17 @@ def load_settings(
     try:
         return Settings.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, origin)) from None
+        raise ConfigError(_describe(exc, origin, merged)) from None
 
 
-def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
+def _describe(exc: ValidationError, origin: Mapping[str, str], merged: Mapping[str, Any]) -> str:
     lines = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
         where = " -> ".join(str(part) for part in error["loc"][1:])
         label = flag_name(field) if field in Settings.model_fields else (field or "settings")
         if error["type"] == "extra_forbidden":
-            lines.append(f"unknown setting {field!r} (from {origin.get(field, 'input')})")
+            lines.append(_unknown_key(error["loc"], origin.get(field, "input"), merged))
             continue
         if not error["loc"]:
             # A check across fields: its input is every setting (secrets included), so only the message.
@@ -113,3 +115,41 @@ def _describe(exc: ValidationError, origin: Mapping[str, str]) -> str:
         detail = f" at {where}" if where else ""
         lines.append(redact_urls_in(f"invalid value for {label}{detail} (from {source}): {value!r}: {error['msg']}"))
     return "configuration error:\n  " + "\n  ".join(lines)
+
+
+def _unknown_key(loc: tuple[int | str, ...], source: str, merged: Mapping[str, Any]) -> str:
+    """`unknown setting 'x'`, or for a key inside an entry (an instance) the key and the entry by
+    index and id; with the closest known name when there is one (`kvs_endpoint` -> `kvs_endpoints`)."""
+    key = str(loc[-1])
+    if len(loc) == 1:
+        text, known = f"unknown setting {key!r}", Settings.model_fields
+    else:
+        text, known = f"unknown key {key!r} in {_entry_name(loc[:-1], merged)}", _entry_fields(str(loc[0]))
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{text} (from {source}){hint}"
+
+
+def _entry_name(loc: tuple[int | str, ...], merged: Mapping[str, Any]) -> str:
+    """`instances[1] (id 'b')` for loc ('instances', 1)."""
+    name = str(loc[0]) + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc[1:])
+    entry: Any = merged
+    for part in loc:
+        try:
+            entry = entry[part]
+        except (KeyError, IndexError, TypeError):
+            return name
+    entry_id = entry.get("id") if isinstance(entry, Mapping) else None
+    return f"{name} (id {entry_id!r})" if isinstance(entry_id, str) else name
+
+
+def _entry_fields(field: str) -> Collection[str]:
+    """The keys an entry of the setting `field` may have (the fields of the model its items are)."""
+    info = Settings.model_fields.get(field)
+    pending = [info.annotation] if info is not None else []
+    while pending:
+        annotation = pending.pop()
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation.model_fields
+        pending.extend(typing.get_args(annotation))
+    return ()

@@ -270,6 +270,13 @@ class Settings(BaseModel):
     account_sync_ttl_s: float = Field(
         1.0, gt=0, description="A replica's published rows vanish this long after its last publication."
     )
+    account_sync_max_peers: int = Field(
+        256, ge=1, description="Other replicas' rows read per sync round at most; keys beyond it are dropped."
+    )
+    account_sync_max_row_bytes: int = Field(
+        512 * 1024, ge=1024,
+        description="A replica's published rows larger than this are dropped unread (only this much is fetched).",
+    )
 
     # --- hardening: memory bounds, hung engines, bounded store answers (docs/OPERATIONS.md) ---
     tokenize_cache_bytes: int = Field(

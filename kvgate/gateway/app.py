@@ -193,7 +193,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if settings.account_sync:
             sync = AccountSync(settings.account_sync, gateway.account.rows,  # type: ignore[arg-type]
                                account_sync_metrics(gateway.prometheus), settings.account_sync_interval_s,
-                               settings.account_sync_ttl_s)
+                               settings.account_sync_ttl_s, max_peers=settings.account_sync_max_peers,
+                               max_row_bytes=settings.account_sync_max_row_bytes)
             jobs.append((settings.account_sync_interval_s, sync.sync_once, "account sync"))
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
     try:
@@ -243,10 +244,12 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     """Readiness: 503 while no instance can take a request, so load balancers send traffic
-    elsewhere; the body says why. (While draining, the listening socket is already closed.)"""
+    elsewhere; the body says why. (While draining, the listening socket is already closed.) Instances
+    routed to in panic (all of their model ejected, registry.py) count as routable: they are tried."""
     states = request.app[GATEWAY].registry.states()
     routable = sum(1 for s in states if s.routable)
-    body = {"status": "ok", "instances": len(states), "routable_instances": routable}
+    body = {"status": "ok", "instances": len(states), "routable_instances": routable,
+            "panic_instances": sum(1 for s in states if s.panic)}
     if not routable:
         reason = "no instance configured" if not states else "no instance is routable (all ejected or draining)"
         return json_response({**body, "status": "unavailable", "reason": reason}, status=503)

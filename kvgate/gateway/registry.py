@@ -6,6 +6,12 @@ active health checks, or by failed requests in a row (passive outlier detection,
 readmitted by a passing health check, an outlier only once its ejection period is over. Requests
 already streaming from an instance run to their end whatever happens to it; those still waiting
 for its first byte are failed over when it is ejected (`on_eject`).
+
+Panic (as Envoy's panic threshold): when every instance of a model in one role (neutral, prefill or
+decode) that is not draining is ejected, they all stay routable (`panic`) instead of failing every
+request with 503/502. Health checks are a guess: on a busy machine a slow `/health` (engines in
+their first NIXL handshake) ejected a whole healthy fleet at once. Requests waiting on an instance
+whose ejection starts a panic are not failed over either: there is nowhere better to send them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class InstanceState:
     consecutive_failures: int = 0  # failed health checks in a row
     failed_requests: int = 0  # failed requests in a row (passive outlier detection)
     outlier_until: float = 0.0  # time.monotonic() before which health checks do not readmit it
+    panic: bool = False  # ejected, yet routable: every instance of its model and role is ejected
 
     @property
     def id(self) -> str:
@@ -34,7 +41,7 @@ class InstanceState:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return (self.healthy or self.panic) and not self.draining
 
     def describe(self) -> dict:
         return {
@@ -45,6 +52,7 @@ class InstanceState:
             "kvs_endpoints": list(self.config.kvs_endpoints),
             "healthy": self.healthy,
             "draining": self.draining,
+            "panic": self.panic,
         }
 
 
@@ -88,11 +96,16 @@ class InstanceRegistry:
     def routable(self, model: str) -> list[InstanceState]:
         return [s for s in self._states.values() if s.config.model == model and s.routable]
 
+    def panicking(self, model: str) -> bool:
+        """True while ejected instances of `model` are routed to because no instance of their role is healthy."""
+        return any(s.panic for s in self._states.values() if s.config.model == model)
+
     def add(self, config: InstanceConfig) -> InstanceState:
         if config.id in self._states:
             raise RegistryError(f"instance {config.id!r} already exists")
         state = self._states[config.id] = InstanceState(config)
         self._changed()
+        self.update_panic(config.model)
         return state
 
     def remove(self, instance_id: str) -> InstanceState:
@@ -100,12 +113,23 @@ class InstanceRegistry:
         if state is None:
             raise RegistryError(f"no instance {instance_id!r}")
         self._changed()
+        self.update_panic(state.config.model)
         return state
 
     def drain(self, instance_id: str) -> InstanceState:
         state = self._require(instance_id)
         state.draining = True
+        self.update_panic(state.config.model)
         return state
+
+    def update_panic(self, model: str | None = None) -> None:
+        """Recompute `panic` for `model`'s instances (every model's when None) after a change of
+        their health or draining."""
+        states = [s for s in self._states.values() if model is None or s.config.model == model]
+        healthy = {(s.config.model, s.config.role) for s in states if s.healthy and not s.draining}
+        for state in states:
+            state.panic = (not state.healthy and not state.draining
+                           and (state.config.model, state.config.role) not in healthy)
 
     def record_health(self, instance_id: str, ok: bool, failures_to_eject: int) -> None:
         """One health-check result: eject after `failures_to_eject` failures in a row, readmit on
@@ -118,6 +142,7 @@ class InstanceRegistry:
             if not state.healthy and time.monotonic() >= state.outlier_until:
                 state.healthy = True
                 state.failed_requests = 0
+                self.update_panic(state.config.model)
         else:
             state.consecutive_failures += 1
             if state.consecutive_failures >= failures_to_eject:
@@ -129,7 +154,8 @@ class InstanceRegistry:
         if not state.healthy:
             return
         state.healthy = False
-        if self.on_eject is not None:
+        self.update_panic(state.config.model)
+        if self.on_eject is not None and not state.panic:
             self.on_eject(state)
 
     def _require(self, instance_id: str) -> InstanceState:

@@ -39,6 +39,7 @@ class GatewayMetrics:
     instance_healthy: Gauge  # instance
     outlier_ejections: Counter  # instance
     tokenize_cache_bytes: Gauge
+    routing_panic: Gauge  # model
 
 
 # --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
@@ -163,6 +164,12 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
             "kvgate_tokenize_cache_bytes", "Bytes held by the tokenize cache (bounded by --tokenize-cache-bytes).",
             registry=registry,
         ),
+        # Set by the health checks, which run in one worker: "livemax" reports its value once.
+        routing_panic=Gauge(
+            "kvgate_routing_panic",
+            "1 while every instance of a model (in one role) is ejected and requests are routed to them anyway.",
+            ["model"], registry=registry, multiprocess_mode="livemax",
+        ),
     )
 
 
@@ -174,6 +181,7 @@ class AccountSyncMetrics:
     up: Gauge
     replicas: Gauge
     failures: Counter
+    rejected: Counter  # reason: too_large | wrong_type | not_json | bad_schema | out_of_range | too_many_peers
 
 
 def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
@@ -185,6 +193,9 @@ def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
         replicas=Gauge("kvgate_account_sync_replicas", "Other gateway replicas whose rows were folded in last.",
                        registry=registry, multiprocess_mode="livemax"),
         failures=Counter("kvgate_account_sync_failures", "Account sync rounds that failed (store down or slow).",
+                         registry=registry),
+        rejected=Counter("kvgate_account_sync_rejected",
+                         "Other replicas' published values dropped (malformed, too large, beyond the peer limit), by reason.", ["reason"],
                          registry=registry),
     )
 

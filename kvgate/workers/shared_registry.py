@@ -119,5 +119,6 @@ class SharedRegistry(InstanceRegistry):
             generations[entry.config.id] = entry.generation
         changed = generations != self._generations
         self._states, self._generations, self._epoch = states, generations, epoch
+        self.update_panic()
         if changed:
             self._changed()

@@ -14,6 +14,11 @@ generation. Counts rows have a single writer each (a worker; the last row is the
 the other replicas' sums), so the request path takes no lock. Table changes (admin routes, health
 transitions) are rare: they take a file lock (released by the kernel if its holder dies) and move
 `epoch` to odd while writing and to even after, so a reader retries a table it saw half-written.
+
+A writer killed inside a change leaves the epoch odd, and readers would retry until they give up.
+Each change's last word store is its commit (a slot's USED flag, its flags word), so whatever prefix
+of it was written is a table as it was before or after; `recover` (the supervisor's, once the
+writer is dead and the lock free) only moves the epoch back to even.
 """
 
 from __future__ import annotations
@@ -147,6 +152,13 @@ class SharedTable:
             yield
         finally:
             self._q[0] += 1
+
+    def recover(self) -> bool:
+        """End a change its writer died inside (call inside `changing`); True if there was one."""
+        if self._q[0] % 2 == 0:
+            return False
+        self._q[0] += 1
+        return True
 
     def find(self, instance_id: str) -> SlotEntry | None:
         """The slot holding `instance_id` (call inside `changing`: no writer can interfere)."""

@@ -4,8 +4,13 @@ The supervisor binds the port first (SO_REUSEPORT, never listening itself: it ke
 resolves port 0), then spawns the workers, which bind the same port with SO_REUSEPORT so the kernel
 spreads connections over them. It creates the shared table with the configured instances, and a
 directory for prometheus-client's multiprocess files. A worker that dies is restarted after its
-account rows are cleared (its requests died with it) and its live gauges are marked dead. SIGTERM
-and SIGINT are forwarded to every worker, each of which drains as a single-process gateway does.
+account rows are cleared (its requests died with it), a table change it left half-done is
+completed (shared_table.py), and its live gauges are marked dead. SIGTERM and SIGINT are forwarded to
+every worker, each of which drains as a single-process gateway does.
+
+Workers die with the supervisor however it dies (kill -9, the OOM killer): each arms Linux's
+parent-death signal when it starts, so no orphan keeps serving the port. The run directory of a
+killed supervisor is removed by the next one that starts (run_dir.py).
 """
 
 from __future__ import annotations
@@ -13,18 +18,16 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
 from kvgate.config.settings import Settings
+from kvgate.workers.run_dir import RunDir, remove_abandoned, shared_memory_dir
 from kvgate.workers.shared_table import SharedTable
 from kvgate.workers.worker import WorkerSpec, run_worker
 
@@ -47,10 +50,13 @@ def reserve_port(host: str, port: int) -> socket.socket:
     """A bound, non-listening SO_REUSEPORT socket: it holds the port while workers come and go.
 
     The port is first bound without SO_REUSEPORT, which fails if anything holds it, another
-    gateway with SO_REUSEPORT included: two gateways must never share a port by accident.
+    gateway with SO_REUSEPORT included: two gateways must never share a port by accident. The probe
+    sets SO_REUSEADDR, which still fails on a socket bound or listening there, but not on the
+    connections a killed gateway left in TIME_WAIT (a restart would wait a minute for them).
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))
         port = probe.getsockname()[1]
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -66,9 +72,10 @@ def reserve_port(host: str, port: int) -> socket.socket:
 class Supervisor:
     def __init__(self, settings: Settings, workers: int, log_level: str) -> None:
         self._port_holder = reserve_port(settings.host, settings.port)  # first: the likeliest to fail
-        # In a tmpfs when there is one: the table and the metric files are memory, never disk I/O.
-        shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._run_dir = Path(tempfile.mkdtemp(prefix="kvgate-workers-", dir=shm_dir))
+        shm_dir = shared_memory_dir()
+        remove_abandoned(shm_dir)
+        self._run = RunDir(shm_dir)
+        self._run_dir = self._run.path
         self._metrics_dir = self._run_dir / "metrics"
         self._metrics_dir.mkdir()
         # prometheus-client picks its multiprocess storage when imported: the workers inherit this.
@@ -107,7 +114,7 @@ class Supervisor:
 
     def _spawn(self, index: int) -> tuple[BaseProcess, Event]:
         spec = WorkerSpec(index, self._table.path, str(self._run_dir / "lock"), str(self._metrics_dir),
-                          self._log_level)
+                          self._log_level, supervisor_pid=os.getpid())
         ready = self._context.Event()
         process = self._context.Process(target=run_worker, args=(self._settings, spec, ready),
                                         name=f"kvgate-worker-{index}", daemon=False)
@@ -143,6 +150,10 @@ class Supervisor:
         """What a dead worker leaves behind: its account row, its remote row if it led, its gauges."""
         from prometheus_client import multiprocess
 
+        with self._table.changing():  # the kernel released the lock if the worker died holding it
+            if self._table.recover():
+                log.warning("worker %d died inside a change of the instance table; the change is void or "
+                            "complete, and the table readable again", index)
         self._table.clear_writer(index)
         if index == 0:
             self._table.clear_writer(self._count)
@@ -173,7 +184,7 @@ class Supervisor:
                 process.join()
         self._port_holder.close()
         self._table.close()
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        self._run.remove()
 
 
 def run_workers(settings: Settings, workers: int, log_level: str) -> int:

@@ -11,6 +11,7 @@ from multiprocessing.synchronize import Event
 from aiohttp import web
 
 from kvgate.config.settings import Settings
+from kvgate.processes import die_with
 from kvgate.workers.shared_registry import SharedRegistry
 from kvgate.workers.shared_rows import SharedRows
 from kvgate.workers.shared_table import SharedTable
@@ -27,6 +28,7 @@ class WorkerSpec:
     lock_path: str
     metrics_dir: str
     log_level: str
+    supervisor_pid: int
 
 
 @dataclass
@@ -55,6 +57,7 @@ class WorkerShare:
 
 def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
     """The spawned process's target: load the tokenizer, attach the table, serve until SIGTERM."""
+    die_with(spec.supervisor_pid)  # first: an orphan would keep the port and the table
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s worker-{spec.index} %(name)s: %(message)s")
     _read_pid_once_for_metrics()
