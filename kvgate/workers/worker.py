@@ -27,6 +27,8 @@ class WorkerSpec:
     lock_path: str
     metrics_dir: str
     log_level: str
+    # The events index the supervisor's subscriber process writes; empty when events are off.
+    events_index_path: str = ""
 
 
 @dataclass
