@@ -222,11 +222,13 @@ class EventsIndex:
         self._q[self._instance(slot) + _LAST_SEQ] = seq
 
     def store(self, slot: int, medium: Medium, keys: Iterable[int], cap: int) -> int:
-        """Mark the blocks held by `slot` in `medium`; returns how many could not be (the index or
-        the instance's `cap` is full). Call between begin() and end()."""
+        """Mark the blocks held by `slot` in `medium`; returns how many could not be (the index is
+        full, or the instance holds `cap` blocks over all media). Call between begin() and end()."""
         q, row = self._q, self._row
         word, bit = self._rows_at + 1 + medium * self.words + slot // 64, 1 << (slot % 64)
-        count_at = self._instance(slot) + _BLOCKS + medium
+        counts_at = self._instance(slot) + _BLOCKS
+        count_at = counts_at + medium
+        held = sum(q[counts_at : counts_at + _MEDIA])  # the cap counts every medium
         refused = 0
         for key in keys:
             at = self._find_or_claim(key)
@@ -236,11 +238,12 @@ class EventsIndex:
             flag = at * row + word
             if q[flag] & bit:
                 continue
-            if q[count_at] >= cap:
+            if held >= cap:
                 refused += 1
                 continue
             q[flag] |= bit
             q[count_at] += 1
+            held += 1
         return refused
 
     def remove(self, slot: int, medium: Medium, keys: Iterable[int]) -> None:

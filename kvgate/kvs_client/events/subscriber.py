@@ -295,6 +295,8 @@ class EventsSubscriber:
             await self.close()
 
     async def close(self) -> None:
+        if self._context.closed:
+            return
         tasks = [task for _, task in self._feeds.values()]
         for instance_id in list(self._feeds):
             self._stop(instance_id)
