@@ -10,7 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.kvs_client.events.base import AllCleared, BlocksRemoved, BlocksStored, EventBatch, MalformedEvents, Medium
+from kvgate.kvs_client.events.base import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    MalformedEvents,
+    Medium,
+)
 from kvgate.kvs_client.events.keys import MASK64, engine_block_hashes, key_of
 from kvgate.kvs_client.events.vllm import VllmDecoder
 from tests.kv_events_engine import batch_payload, cleared, removed, stored
