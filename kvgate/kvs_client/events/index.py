@@ -38,6 +38,9 @@ _INSTANCE_WORDS = 8 + ID_BYTES // 8
 _MEDIA = len(Medium)
 # Linear probing stays short below this load; past it the writer compacts, then refuses.
 _MAX_LOAD = 0.75
+# Rows a reader examines per key and round: longer than almost every cluster at _MAX_LOAD.
+_PROBE_WINDOW = 16
+_WINDOW_OFFSETS = np.arange(_PROBE_WINDOW)
 # A reader that saw the writer move this many times in a row answers "busy" (no events hits).
 _READ_ATTEMPTS = 16
 # Header words.
@@ -123,7 +126,7 @@ class EventsIndex:
 
     @property
     def epoch(self) -> int:
-        """Moves whenever an instance takes or leaves a slot."""
+        """Moves whenever an instance takes or leaves a slot, or its feed state changes."""
         return self._q[_EPOCH]
 
     @property
@@ -166,21 +169,26 @@ class EventsIndex:
         return None
 
     def _probe(self, keys: np.ndarray) -> np.ndarray:
-        rows = self.rows
+        rows, mask = self.rows, self._mask
         found = np.zeros((len(keys), self._row - 1), np.uint64)
-        where = (keys & np.uint64(self._mask)).astype(np.intp)
+        where = (keys & np.uint64(mask)).astype(np.intp)
         pending = np.arange(len(keys))
-        # Each round probes every key still looking; a torn read at worst costs a retry (the seqlock).
-        for _ in range(self.capacity):
+        # Each round reads a window of _PROBE_WINDOW rows per key still looking (one gather), so a
+        # prompt costs one or two rounds whatever its clusters' lengths. A torn read costs a retry.
+        for _ in range(0, self.capacity, _PROBE_WINDOW):
+            at = (where[pending, None] + _WINDOW_OFFSETS) & mask
+            stored = rows[at, 0]
+            match = stored == keys[pending, None]
+            ends = match | (stored == 0)  # a key sits before the first free row of its cluster
+            first = ends.argmax(axis=1)
+            ended = ends[np.arange(len(pending)), first]
+            hit = ended & match[np.arange(len(pending)), first]
+            if hit.any():
+                found[pending[hit]] = rows[at[hit, first[hit]], 1:]
+            pending = pending[~ended]
             if not pending.size:
                 break
-            at = where[pending]
-            stored = rows[at, 0]
-            hit = stored == keys[pending]
-            if hit.any():
-                found[pending[hit]] = rows[at[hit], 1:]
-            pending = pending[~hit & (stored != 0)]
-            where[pending] = (where[pending] + 1) & self._mask
+            where[pending] += _PROBE_WINDOW
         return found
 
     # --- the writer ---
@@ -216,7 +224,10 @@ class EventsIndex:
         self._q[_EPOCH] += 1
 
     def set_state(self, slot: int, state: FeedState) -> None:
-        self._q[self._instance(slot) + _STATE] = state
+        at = self._instance(slot) + _STATE
+        if self._q[at] != state:
+            self._q[at] = state
+            self._q[_EPOCH] += 1  # readers cache who is unknown until the epoch moves
 
     def note_seq(self, slot: int, seq: int) -> None:
         self._q[self._instance(slot) + _LAST_SEQ] = seq

@@ -36,8 +36,11 @@ def key_of(block_hash: int | bytes) -> int:
 def prompt_keys(blocks: Sequence[BlockHash]) -> np.ndarray:
     """Index keys of a prompt's full blocks (sha256_cbor hex digests), as uint64; a saved unfull
     last block is left out: engines only store full blocks."""
-    keys = [int(block.value[-16:], 16) or _ZERO_KEY for block in blocks if block.full]
-    return np.array(keys, dtype=np.uint64)
+    # One hex decode for the whole prompt: an int() per block cost ~0.3 us each on the request path.
+    low_halves = bytes.fromhex("".join([block.value[-16:] for block in blocks if block.full]))
+    keys = np.frombuffer(low_halves, dtype=">u8").astype(np.uint64)
+    keys[keys == 0] = _ZERO_KEY
+    return keys
 
 
 def engine_block_hashes(

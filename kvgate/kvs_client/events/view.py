@@ -28,14 +28,11 @@ class EventsView:
         self._epoch = -1
         self._slots: dict[str, int] = {}
         self._ids: dict[int, str] = {}
+        self._unknown: frozenset[str] = frozenset()
 
     def slots(self) -> dict[str, int]:
         """Instance id -> index slot, for instances whose events kvgate follows."""
-        if self.index.epoch != self._epoch:
-            # The epoch first: a slot change racing this read moves it again, and the next read redoes it.
-            self._epoch = self.index.epoch
-            self._slots = self.index.instance_slots()
-            self._ids = {slot: instance_id for instance_id, slot in self._slots.items()}
+        self._refresh()
         return self._slots
 
     def states(self) -> dict[str, FeedState]:
@@ -43,7 +40,21 @@ class EventsView:
         return {instance_id: self.index.state(slot) for instance_id, slot in self.slots().items()}
 
     def unknown(self) -> frozenset[str]:
-        return frozenset(instance_id for instance_id, state in self.states().items() if state == FeedState.SILENT)
+        """Followed instances that have said nothing since kvgate connected (SILENT)."""
+        self._refresh()
+        return self._unknown
+
+    def _refresh(self) -> None:
+        """Re-read the slots and who is unknown when the epoch moved (rarely: the fleet or a feed
+        state changed), so a request reads one word of them."""
+        if self.index.epoch == self._epoch:
+            return
+        # The epoch first: a change racing this read moves it again, and the next read redoes it.
+        self._epoch = self.index.epoch
+        self._slots = self.index.instance_slots()
+        self._ids = {slot: instance_id for instance_id, slot in self._slots.items()}
+        self._unknown = frozenset(instance_id for instance_id, slot in self._slots.items()
+                                  if self.index.state(slot) == FeedState.SILENT)
 
     def hits(self, blocks: Sequence[BlockHash]) -> EngineHits | None:
         """What the engines hold of these blocks; None when the index was too busy to read."""
@@ -57,37 +68,51 @@ class EventsView:
             return None
         words = self.index.words
         held = found[:, :words] | found[:, words : 2 * words] | found[:, 2 * words :]
-        # Column by column, the instances holding every block so far; row 0's are the candidates.
+        # The instances holding block 0 are the only ones with a prefix: walk their columns alone.
         first = held[0]
         if not first.any():
             self._count("miss")
             return EngineHits({}, unknown)
-        chunk = blocks[0].num_tokens  # every indexed block is full
         ids = self._ids  # refreshed by unknown() above
-        prefixes: dict[str, EnginePrefix] = {}
-        for word in np.nonzero(first)[0]:
-            bits = int(first[word])
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                slot = int(word) * 64 + low.bit_length() - 1
-                instance_id = ids.get(slot)
-                if instance_id is None:
-                    continue  # a slot taken after this worker last read the ids: it shows next time
-                prefixes[instance_id] = _prefix(found, held, words, int(word), np.uint64(low), chunk)
+        holders = [(slot, instance_id) for slot in _set_bits(first) if (instance_id := ids.get(slot)) is not None]
         self._count("hit")
-        return EngineHits(prefixes, unknown)
+        if not holders:  # slots taken after this worker last read the ids: they show next time
+            return EngineHits({}, unknown)
+        chunk = blocks[0].num_tokens  # every indexed block is full
+        return EngineHits(_prefixes(found, held, words, holders, chunk), unknown)
 
     def _count(self, outcome: str) -> None:
         if self._outcomes:
             self._outcomes[outcome].inc()
 
 
-def _prefix(found: np.ndarray, held: np.ndarray, words: int, word: int, bit: np.uint64, chunk: int) -> EnginePrefix:
-    """One instance's contiguous prefix, each block in its cheapest medium."""
-    column = (held[:, word] & bit) != 0
-    length = int(column.argmin()) if not column.all() else len(column)
-    gpu = (found[:length, Medium.GPU * words + word] & bit) != 0
-    cpu = ~gpu & ((found[:length, Medium.CPU * words + word] & bit) != 0)
-    gpu_blocks, cpu_blocks = int(gpu.sum()), int(cpu.sum())
-    return EnginePrefix(gpu_blocks * chunk, cpu_blocks * chunk, (length - gpu_blocks - cpu_blocks) * chunk)
+def _set_bits(words: np.ndarray) -> list[int]:
+    """Slots whose bit is set in a bitmap."""
+    slots = []
+    for word in np.flatnonzero(words).tolist():
+        bits = int(words[word])
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            slots.append(word * 64 + low.bit_length() - 1)
+    return slots
+
+
+def _prefixes(found: np.ndarray, held: np.ndarray, words: int, holders: list[tuple[int, str]],
+              chunk: int) -> dict[str, EnginePrefix]:
+    """Each holder's contiguous prefix, each block in its cheapest medium: one pass for all of them."""
+    slots = np.array([slot for slot, _ in holders])
+    column, shift = slots // 64, (slots % 64).astype(np.uint64)
+
+    def bits(table: np.ndarray) -> np.ndarray:  # (blocks, holders) booleans
+        return ((table[:, column] >> shift) & np.uint64(1)).astype(bool)
+
+    prefix = np.logical_and.accumulate(bits(held), axis=0)
+    gpu = bits(found[:, Medium.GPU * words : (Medium.GPU + 1) * words]) & prefix
+    cpu = bits(found[:, Medium.CPU * words : (Medium.CPU + 1) * words]) & prefix & ~gpu
+    lengths, gpu_blocks, cpu_blocks = prefix.sum(axis=0), gpu.sum(axis=0), cpu.sum(axis=0)
+    return {
+        instance_id: EnginePrefix(int(gpu_blocks[i]) * chunk, int(cpu_blocks[i]) * chunk,
+                                  int(lengths[i] - gpu_blocks[i] - cpu_blocks[i]) * chunk)
+        for i, (_, instance_id) in enumerate(holders)
+    }
