@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import random
 
 import numpy as np
+import zmq.asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
+from kvgate.config.settings import InstanceConfig
 from kvgate.kvs_client.events.base import Medium
 from kvgate.kvs_client.events.index import EventsIndex
 from kvgate.kvs_client.events.keys import prompt_keys
+from kvgate.kvs_client.events.subscriber import FeedLimits, InstanceFeed
 from kvgate.kvs_client.events.view import EventsView
+from kvgate.kvs_client.events.vllm import VllmDecoder
+from kvgate.metrics.definitions import kv_events_metrics
 from kvgate.scheduler.hashing import hash_blocks
 from kvgate.scheduler.tiers import EnginePrefix
+from tests.kv_events_engine import batch_payload, cleared, removed, stored
 
 BLOCK = 16
 PROMPT = list(range(8 * BLOCK))
@@ -97,4 +107,59 @@ def test_a_reader_in_another_process_sees_the_writers_blocks(tmp_path):
         assert answer.get(timeout=60) == ({"e0": slot}, [1, 1, 0])
     finally:
         reader.join(30)
+        index.close()
+
+
+# --- a model of what the index must hold, against random event streams through a feed ---
+
+UNIVERSE = list(range(1, 49))  # block hashes; the test index has 64 rows
+_MEDIA_NAMES = ["GPU", "CPU", "STORAGE"]
+_EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=6, unique=True),
+              st.sampled_from(_MEDIA_NAMES)),
+    st.tuples(st.just("remove"), st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=6, unique=True),
+              st.sampled_from(_MEDIA_NAMES)),
+    st.tuples(st.just("clear"), st.just([]), st.just("GPU")),
+), max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_EVENTS, st.sampled_from(["map", "array"]))
+def test_random_event_streams_leave_exactly_what_the_engine_holds(events, encoding):
+    index = EventsIndex.create(4 * 1024, 8)
+    assert index.capacity == 64
+    context = zmq.asyncio.Context()
+    metrics = kv_events_metrics(CollectorRegistry())
+    config = InstanceConfig(id="e0", url="http://127.0.0.1:9", model="m", kv_events_endpoint="tcp://127.0.0.1:1")
+    feed = InstanceFeed(config, index.take_slot("e0"), index, VllmDecoder(), FeedLimits(b"", BLOCK, 10**6, 1.0),
+                        metrics, context)
+    held: dict[int, set[str]] = {}
+    payloads = []
+    for kind, keys, medium in events:
+        if kind == "store":
+            payloads.append([stored(keys, None, [0] * BLOCK * len(keys), BLOCK, medium=medium, encoding=encoding)])
+            for key in keys:
+                held.setdefault(key, set()).add(medium)
+        elif kind == "remove":
+            payloads.append([removed(keys, medium=medium, encoding=encoding)])
+            for key in keys:
+                held.get(key, set()).discard(medium)
+        else:
+            payloads.append([cleared(encoding)])
+            held.clear()
+
+    async def feed_all() -> None:
+        for seq, batch in enumerate(payloads):
+            await feed.receive([b"", seq.to_bytes(8, "big"), batch_payload(batch)])
+
+    try:
+        asyncio.run(feed_all())
+        found = index.lookup(np.array(UNIVERSE, dtype=np.uint64))
+        assert found is not None
+        for key, bits in zip(UNIVERSE, found.tolist(), strict=True):
+            assert {name for name, word in zip(_MEDIA_NAMES, bits, strict=True) if word} == held.get(key, set())
+        assert index.blocks(feed.slot) == tuple(sum(1 for media in held.values() if name in media)
+                                                for name in _MEDIA_NAMES)
+    finally:
+        context.term()
         index.close()
