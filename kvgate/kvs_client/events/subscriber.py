@@ -110,13 +110,16 @@ class InstanceFeed:
         finally:
             socket.close(linger=0)
 
-    async def receive(self, frames: list[bytes], replaying: bool = False) -> None:
-        """One message (topic, seq, payload) from the live socket, or from a replay."""
+    async def receive(self, frames: list[bytes]) -> None:
+        """One message (topic, seq, payload) from the live socket."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self._metrics.dropped.labels(self._id, "bad_frames").inc()
             return
-        seq, payload = int.from_bytes(frames[1], "big"), frames[2]
         self._metrics.received.labels(self._id).inc()
+        await self._sequence(int.from_bytes(frames[1], "big"), frames[2])
+
+    async def _sequence(self, seq: int, payload: bytes, replaying: bool = False) -> None:
+        """Apply, replay, reset or skip, as the sequence number says (module docstring)."""
         if self._last is None:
             if seq != 0 and self.config.kv_events_replay_endpoint and not replaying:
                 await self._replay(0, (seq, payload))
@@ -132,7 +135,7 @@ class InstanceFeed:
             log.warning("KV events of %s: sequence went back from %d to %d (engine restart): forgetting its "
                         "blocks", self._id, self._last, seq)
             self._reset("restart", FeedState.SILENT)
-            await self.receive(frames, replaying)
+            await self._sequence(seq, payload, replaying)
         else:
             self._metrics.gaps.labels(self._id).inc()
             if self.config.kv_events_replay_endpoint and not replaying:
@@ -161,7 +164,7 @@ class InstanceFeed:
         self._replayed_through = self._last
         seq, payload = live
         if self._last is None or seq > self._last:
-            await self.receive([b"", seq.to_bytes(8, "big"), payload], replaying=True)
+            await self._sequence(seq, payload, replaying=True)
 
     async def _ask_replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The engine's buffered batches from `start` in order, or None when it did not answer in time."""
