@@ -108,6 +108,8 @@ async def test_stores_and_removals_show_on_their_instance_only(fleet, engines, e
     await fleet.until_applied("e0", 1)
     assert fleet.hits(PROMPT) == {"e0": EnginePrefix(2 * BLOCK, 2 * BLOCK)}
     assert fleet.index.blocks(fleet.view.slots()["e0"]) == (2, 2, 0)
+    assert fleet.metric("kvgate_kv_events_blocks", instance="e0", medium="CPU") == 2
+    assert fleet.metric("kvgate_kv_events_lag_seconds_count") >= 3  # every batch applied, both engines
 
     await e0.publish([removed(hashes[1:2], encoding=encoding)])  # a hole ends the prefix
     await fleet.until_applied("e0", 2)
