@@ -30,7 +30,7 @@ def test_events_alone_from_every_layer(tmp_path):
 
 @pytest.mark.parametrize("values, message", [
     ({"kvs_backend": "kv_events", "kvs_hash_algo": "xxhash"}, "sha256_cbor"),
-    ({"kv_events_format": "sglang"}, "unknown format"),
+    ({"kv_events_format": "sglang"}, "--kv-events-format"),
     ({"instances": [{"id": "e0", "url": "http://127.0.0.1:1", "model": "m", "kv_events_endpoint": "tcp://*:5557"}]},
      "kvgate connects"),
     ({"instances": [{"id": "e0", "url": "http://127.0.0.1:1", "model": "m", "kv_events_endpoint": "127.0.0.1:5557"}]},

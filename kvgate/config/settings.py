@@ -33,6 +33,12 @@ class HashAlgo(StrEnum):
     XXHASH = "xxhash"
 
 
+class KVEventsFormat(StrEnum):
+    """Wire formats of engines' KV events (one decoder each, kvgate/kvs_client/events/)."""
+
+    VLLM = "vllm"
+
+
 class PDProtocol(StrEnum):
     SGLANG = "sglang"
     VLLM = "vllm"
@@ -209,7 +215,7 @@ class Settings(BaseModel):
     kv_events_topic: str = Field(
         "", description="Topic subscribed to on every instance's events socket; empty = all (vLLM's: kv-events)."
     )
-    kv_events_format: str = Field("vllm", description="Wire format of the engines' events (vllm).")
+    kv_events_format: KVEventsFormat = Field(KVEventsFormat.VLLM, description="Wire format of the engines' events.")
     kv_events_max_instances: int = Field(
         64, ge=1, le=4096, description="Instances the events index can track at once (a bit per instance per block)."
     )
@@ -579,8 +585,6 @@ class Settings(BaseModel):
         publishing = any(instance.kv_events_endpoint for instance in self.instances)
         if (publishing or self.kvs_backend == KVSBackendName.KV_EVENTS) and self.kvs_hash_algo != HashAlgo.SHA256_CBOR:
             raise ValueError("KV events carry vLLM's block hashes: they need kvs_hash_algo sha256_cbor")
-        if self.kv_events_format != "vllm":
-            raise ValueError(f"kv_events_format: unknown format {self.kv_events_format!r} (known: vllm)")
         return self
 
     @model_validator(mode="after")

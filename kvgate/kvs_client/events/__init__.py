@@ -3,11 +3,11 @@
 docs/KV_EVENTS.md describes the design; `DECODERS` is the registry of wire formats.
 """
 
-from kvgate.config.settings import KVSBackendName, Settings
+from kvgate.config.settings import KVEventsFormat, KVSBackendName, Settings
 from kvgate.kvs_client.events.base import EventDecoder
 from kvgate.kvs_client.events.vllm import VllmDecoder
 
-DECODERS: dict[str, type[EventDecoder]] = {VllmDecoder.name: VllmDecoder}
+DECODERS: dict[KVEventsFormat, type[EventDecoder]] = {KVEventsFormat.VLLM: VllmDecoder}
 
 
 def events_enabled(settings: Settings) -> bool:

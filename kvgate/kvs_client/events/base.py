@@ -4,7 +4,7 @@ Engines publish what their prefix cache gains and loses (vLLM: BlockStored, Bloc
 AllBlocksCleared, in msgpack). A decoder turns one message's payload into an `EventBatch` of the
 types below and knows every field name of its engine's protocol; nothing outside its module does.
 The index (index.py) and the subscriber (subscriber.py) work on these types alone, so a second
-engine's format is one more module and one registration (`__init__.py`).
+engine's format is one more module, one `KVEventsFormat` value and one registration (`__init__.py`).
 
 Block hashes are kept as 64-bit ints: vLLM publishes either the low 64 bits of its 32-byte block
 digest (the default) or the whole digest; both come out as the same int (keys.py).
@@ -72,8 +72,6 @@ class EventBatch:
 class EventDecoder(Protocol):
     """One engine's wire format. Why an interface: the subscriber, the index and their failure
     handling (gaps, restarts, replay) are the same for every engine; only the payload differs."""
-
-    name: str
 
     def decode(self, payload: bytes) -> EventBatch:
         """The batch in `payload`, or MalformedEvents when any part of it is unreadable: applying

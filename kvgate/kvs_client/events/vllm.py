@@ -41,7 +41,6 @@ _MAX_ITEMS = 1 << 22
 
 
 class VllmDecoder:
-    name = "vllm"
 
     def decode(self, payload: bytes) -> EventBatch:
         try:
