@@ -12,6 +12,7 @@ import pytest
 
 from kvgate.config.settings import InstanceConfig, KVSBackendName
 from kvgate.gateway.server import start_gateway
+from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.scheduler.router import Scheduler
 from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer
@@ -146,5 +147,37 @@ async def test_events_beside_a_store_each_hit_says_where_it_came_from(fleet):
         assert 'kvgate_kv_events_unmatched_requests_total{reason="cache_salt"} 1.0' in text
         assert 'kvgate_kv_events_blocks{instance="e1",medium="CPU"} 2.0' in text
         assert "kvgate_kv_events_subscriptions 1.0" in text
+    finally:
+        await gateway.close()
+
+
+async def test_a_long_text_prompt_is_tokenized_as_far_as_an_engine_holds_it(fleet):
+    """--tokenize-tail estimate tokenizes a first window only; while the events show an engine holding
+    its last block, the window grows, so the whole held prefix counts."""
+    upstreams, engines = fleet
+    settings = gateway_settings({}, MODEL, kvs_backend=KVSBackendName.KV_EVENTS, kvs_chunk_size=BLOCK,
+                                dispatch_policy="cache_aware", cache_aware_scheduling_min_tokens=BLOCK,
+                                tokenize_tail="estimate", instances=instances(upstreams, engines))
+    # One line per rule: the tokenizer caches and encodes text by lines (whole segments).
+    rules = "\n".join(f"Rule {i}: answer briefly and exactly, quoting the manual's section {i} verbatim."
+                      for i in range(40))
+    messages = [{"role": "system", "content": rules},
+                {"role": "user", "content": "Which rule matters most?"}]
+    service = TokenizerService(tokenizer())
+    ids = service.encode_chat_sync(messages)
+    service.close()
+    held = len(ids) // BLOCK - 2  # the system prompt's blocks, clear of the question
+    assert held > 8  # far past the first window (two blocks of new text)
+    gateway = await start_gateway(settings, tokenizer=tokenizer())
+    try:
+        await engines[1].wait_subscribed()
+        await engines[1].publish([engines[1].store_prompt(ids[: held * BLOCK])])
+        body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+        plan = await plan_once(gateway.url, body, lambda scores: scores["e1"]["prefix_hit_tokens"] > 0)
+        assert by_id(plan)["e1"]["prefix_hit_tokens"] == held * BLOCK
+        assert plan["selected"] == "e1"
+        async with aiohttp.ClientSession() as session, session.get(gateway.url + "/metrics") as response:
+            text = await response.text()
+        assert "kvgate_tokenize_extensions_total 0.0" not in text
     finally:
         await gateway.close()
