@@ -61,13 +61,15 @@ async def diagnose(
     """Every check against the deployment `settings` describes."""
     import aiohttp
 
+    from kvgate.config.settings import KVSBackendName
     from kvgate.doctor.checks import Doctor
     from kvgate.kvs_client import make_kvs_client
 
-    kvs = make_kvs_client(settings)
+    kvs = None if settings.kvs_backend == KVSBackendName.KV_EVENTS else make_kvs_client(settings)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             return await Doctor(settings, tokenizer, kvs, session, store_wait_s).run()
     finally:
-        await kvs.close()
+        if kvs is not None:
+            await kvs.close()

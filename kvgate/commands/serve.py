@@ -93,7 +93,8 @@ def _summary(settings: Settings, tokenizer: Any) -> str:
     for instance in settings.instances:
         endpoints = ",".join(names_in_store(settings, instance)) or "-"
         lines.append(f"    {instance.id}: {redact_url(instance.url)} model={instance.model} role={instance.role.value}"
-                     f" kvs_endpoints={endpoints}")
+                     f" kvs_endpoints={endpoints}"
+                     + (f" kv_events={instance.kv_events_endpoint}" if instance.kv_events_endpoint else ""))
     if not settings.tokenizer and any(_foreign_model(i.model) for i in settings.instances):
         lines.append("  warning:     no tokenizer is configured but the instances serve other models: unless "
                      "they use the default tokenizer, no prefix hit will ever be found (set tokenizer)")
@@ -106,6 +107,9 @@ def _kv_store(settings: Settings) -> str:
         model = settings.kvs_conductor_model or "the request's"
         return (f"conductor indexer {settings.kvs_conductor_url}, tenant {settings.kvs_conductor_tenant},"
                 f" model {model}, block size {settings.kvs_chunk_size}")
+    if settings.kvs_backend == KVSBackendName.KV_EVENTS:
+        return (f"none: the engines' KV events (topic {settings.kv_events_topic or 'any'!r}), "
+                f"{settings.kvs_hash_algo.value}, block {settings.kvs_chunk_size}, seed {settings.hash_seed!r}")
     return (f"{settings.kvs_backend.value}, {settings.kvs_hash_algo.value}, chunk {settings.kvs_chunk_size},"
             f" keys {settings.kvs_key_format}")
 

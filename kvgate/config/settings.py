@@ -24,12 +24,19 @@ class KVSBackendName(StrEnum):
     REDIS = "redis"
     EMBEDDED = "embedded"
     CONDUCTOR = "conductor"  # Mooncake's Conductor KV indexer (POST /query by token ids)
+    KV_EVENTS = "kv_events"  # no store: the engines' KV events alone (docs/KV_EVENTS.md)
 
 
 class HashAlgo(StrEnum):
     SHA256_CBOR = "sha256_cbor"
     SHA256_HEX = "sha256_hex"
     XXHASH = "xxhash"
+
+
+class KVEventsFormat(StrEnum):
+    """Wire formats of engines' KV events (one decoder each, kvgate/kvs_client/events/)."""
+
+    VLLM = "vllm"
 
 
 class PDProtocol(StrEnum):
@@ -104,6 +111,17 @@ class InstanceConfig(BaseModel):
     bootstrap_host: str = Field("", description="Host of the bootstrap server; empty: the URL's host.")
     # Which cluster the instance lives in; the one named by --prfaas-cluster is the prefill service.
     cluster: Annotated[str, Field(min_length=1)] = LOCAL_CLUSTER
+    # --- the engine's KV events (docs/KV_EVENTS.md): kvgate connects a SUB socket here ---
+    kv_events_endpoint: str = Field("", description="The engine's KV events PUB socket, tcp://HOST:PORT; empty: none.")
+    kv_events_replay_endpoint: str = Field("", description="The engine's replay ROUTER socket, tcp://HOST:PORT.")
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_address(cls, value: str) -> str:
+        if value and not (value.startswith(("tcp://", "ipc://")) and "*" not in value):
+            raise ValueError("expected tcp://HOST:PORT (or ipc://PATH) that kvgate connects to; "
+                             "the engine binds tcp://*:PORT")
+        return value
 
     @field_validator("id")
     @classmethod
@@ -192,6 +210,24 @@ class Settings(BaseModel):
     )
     kvs_conductor_lora_name: str = Field("", description="lora_name asked of the indexer; empty: the base model.")
     kvs_conductor_cache_salt: str = Field("", description="cache_salt asked of the indexer; empty: none.")
+
+    # --- engines' KV events: an index of what each engine's cache holds (docs/KV_EVENTS.md) ---
+    kv_events_topic: str = Field(
+        "", description="Topic subscribed to on every instance's events socket; empty = all (vLLM's: kv-events)."
+    )
+    kv_events_format: KVEventsFormat = Field(KVEventsFormat.VLLM, description="Wire format of the engines' events.")
+    kv_events_max_instances: int = Field(
+        64, ge=1, le=4096, description="Instances the events index can track at once (a bit per instance per block)."
+    )
+    kv_events_index_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024 * 1024, description="Shared memory of the events index (its block capacity).",
+    )
+    kv_events_max_blocks_per_instance: int = Field(
+        4_000_000, ge=1, description="Blocks the index holds for one instance; further stores are dropped.",
+    )
+    kv_events_replay_timeout_s: float = Field(
+        2.0, gt=0, description="Longest wait for an engine's replay answer before giving the gap up.",
+    )
 
     # --- gateway ---
     host: str = "127.0.0.1"
@@ -550,6 +586,13 @@ class Settings(BaseModel):
         if not value.startswith(("http://", "https://")):
             raise ValueError("expected an http:// or https:// URL")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _kv_events_consistent(self) -> Settings:
+        publishing = any(instance.kv_events_endpoint for instance in self.instances)
+        if (publishing or self.kvs_backend == KVSBackendName.KV_EVENTS) and self.kvs_hash_algo != HashAlgo.SHA256_CBOR:
+            raise ValueError("KV events carry vLLM's block hashes: they need kvs_hash_algo sha256_cbor")
+        return self
 
     @model_validator(mode="after")
     def _valid_pd_fleet(self) -> Settings:

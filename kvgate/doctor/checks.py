@@ -38,7 +38,7 @@ class Doctor:
         self,
         settings: Settings,
         tokenizer: TokenizerService,
-        kvs: ResilientKVSClient,
+        kvs: ResilientKVSClient | None,  # None: no store (--kvs-backend kv_events)
         session: aiohttp.ClientSession,
         store_wait_s: float = 10.0,
     ) -> None:
@@ -64,6 +64,9 @@ class Doctor:
         if backend == KVSBackendName.EMBEDDED:
             return CheckResult(name, "store", False, "the embedded index lives inside the gateway's process",
                                "check a deployment that uses mooncake or redis")
+        if backend == KVSBackendName.KV_EVENTS or self._kvs is None:
+            return CheckResult(name, "store", False, "kv_events: the gateway asks no store, it indexes the "
+                               "engines' KV events", "see docs/KV_EVENTS.md; check a deployment with a store")
         # One block, as a key and as token ids (the Conductor indexer is asked by token ids).
         model = self._settings.instances[0].model if self._settings.instances else "kvgate-doctor"
         lookup = await self._kvs.lookup(["kvgate-doctor-probe"], fresh_token_prompt(self._settings.kvs_chunk_size),
@@ -169,6 +172,7 @@ class Doctor:
         asked = expected + [key for variant in variants for key in variant.keys]
         deadline = time.monotonic() + self._store_wait_s
         while True:
+            assert self._kvs is not None  # asked only when the store answered the reachability check
             lookup = await self._kvs.lookup(asked, prompt, instance.model)
             held = {key: endpoints for key, endpoints in zip(asked, lookup.locations, strict=True) if endpoints}
             if all(key in held for key in expected):

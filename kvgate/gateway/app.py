@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.pd import check_pd_serving
-from kvgate.config.settings import DebugRoutes, InstanceConfig, Settings
+from kvgate.config.settings import DebugRoutes, InstanceConfig, KVSBackendName, Settings
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth import ClientAuth
@@ -46,12 +46,19 @@ from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
+from kvgate.kvs_client.events import events_enabled
+from kvgate.kvs_client.events.index import EventsIndex
+from kvgate.kvs_client.events.subscriber import EventsSubscriber
+from kvgate.kvs_client.events.view import EventsView
 from kvgate.metrics.definitions import (
     GatewayMetrics,
+    KVEventsLookupMetrics,
     account_sync_metrics,
     client_key_metrics,
     gateway_metrics,
     hit_metrics,
+    kv_events_lookup_metrics,
+    kv_events_metrics,
     kvs_metrics,
     prfaas_metrics,
     tokenize_tail_metrics,
@@ -102,18 +109,21 @@ def build_app(
         else InstanceRegistry(settings.instances, on_change=instances_changed)
     )
     store_metrics = kvs_metrics(prometheus)
-    kvs = (
-        ResilientKVSClient(kvs_index, settings, store_metrics)
-        if kvs_index is not None
-        else make_kvs_client(settings, metrics=store_metrics)
-    )
+    kvs: ResilientKVSClient | None = None
+    if kvs_index is not None:
+        kvs = ResilientKVSClient(kvs_index, settings, store_metrics)
+    elif settings.kvs_backend != KVSBackendName.KV_EVENTS:
+        kvs = make_kvs_client(settings, metrics=store_metrics)
+    events, events_metrics = _events_view(settings, shared, prometheus)
     decode_ledger = DecodeLedger()
     window = PromptWindow.from_settings(settings, tokenize_tail_metrics(prometheus))
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit, window,
-                           decode_ledger=decode_ledger)
+                           decode_ledger=decode_ledger, events=events, events_metrics=events_metrics,
+                           max_query_blocks=settings.kvs_max_query_blocks)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
-                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared)
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared,
+                      events=events)
     if scheduler.prfaas is not None:
         gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
     for state in registry.states():
@@ -140,6 +150,23 @@ def build_app(
     if shared is not None:
         app.on_response_prepare.append(shared.tag_response)
     return app
+
+
+def _events_view(
+    settings: Settings, shared: WorkerShare | None, prometheus: CollectorRegistry
+) -> tuple[EventsView | None, KVEventsLookupMetrics | None]:
+    """The events index this gateway reads: the one its supervisor's subscriber writes (workers),
+    or its own (a single process, whose lifecycle runs the subscriber)."""
+    if not events_enabled(settings):
+        return None, None
+    if shared is not None:
+        if not shared.spec.events_index_path:
+            return None, None
+        index = EventsIndex.attach(shared.spec.events_index_path)
+    else:
+        index = EventsIndex.create(settings.kv_events_index_bytes, settings.kv_events_max_instances)
+    lookup_metrics = kv_events_lookup_metrics(prometheus)
+    return EventsView(index, lookup_metrics), lookup_metrics
 
 
 def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: CollectorRegistry,
@@ -197,6 +224,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                                max_row_bytes=settings.account_sync_max_row_bytes)
             jobs.append((settings.account_sync_interval_s, sync.sync_once, "account sync"))
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
+    if gateway.events is not None and gateway.shared is None:  # workers share their supervisor's subscriber
+        registry = gateway.registry
+        subscriber = EventsSubscriber(
+            gateway.events.index, settings, kv_events_metrics(gateway.prometheus),
+            lambda: [(state.config, state.healthy and not state.draining) for state in registry.states()])
+        tasks.append(asyncio.create_task(subscriber.run(), name="kv events"))
     try:
         yield
     finally:
@@ -207,7 +240,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if sync is not None:
             await sync.close()
         upstream.close()
-        await gateway.kvs.close()
+        if gateway.kvs is not None:
+            await gateway.kvs.close()
         gateway.tokenizer.close()
 
 

@@ -19,6 +19,7 @@ from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
+from kvgate.kvs_client.events.view import EventsView
 from kvgate.scheduler.ttft import TTFTPrediction
 
 
@@ -37,6 +38,7 @@ async def _schedule(request: web.Request) -> web.Response:
     is_chat = isinstance(body, dict) and "messages" in body
     parsed = (parse_chat if is_chat else parse_completion)(raw)
     plan = await gateway.planner.plan(parsed, explain=True)
+    states = {} if gateway.events is None else {i: state.name.lower() for i, state in gateway.events.states().items()}
     rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
     return json_response({
         **_pd_fields(plan),
@@ -54,6 +56,8 @@ async def _schedule(request: web.Request) -> web.Response:
         "block_keys": plan.block_keys,
         "kvs_status": plan.kvs_status,
         "kvs_elapsed_ms": round(plan.kvs_elapsed_s * 1000, 3),
+        # off: no events index; unavailable: not asked (a cache_salt) or too busy to read.
+        "events_status": "off" if gateway.events is None else "ok" if plan.engine_hits is not None else "unavailable",
         "early_rejection": gateway.settings.early_rejection.value,
         "rejection": None if rejection is None else {
             "code": rejection.code, "message": rejection.message, "retry_after_s": rejection.retry_after_s,
@@ -64,11 +68,37 @@ async def _schedule(request: web.Request) -> web.Response:
                 "prefix_hit_tokens": score.prefix_hit_tokens,
                 "prefix_miss_tokens": score.prefix_miss_tokens,
                 "metrics": score.metrics,
+                **_hit_sources(plan, score.id, gateway.kvs is not None, gateway.events, states),
                 **_prediction_fields(plan.prediction(score.id)),
             }
             for score in plan.decision.scores
         ],
     })
+
+
+def _hit_sources(plan: RoutePlan, instance_id: str, has_store: bool, events: EventsView | None,
+                 states: dict[str, str]) -> dict[str, Any]:
+    """Where the instance's prefix hit came from: its own store segment (`store_hit_tokens`, None
+    without a store) and its engine's KV events (`events`, None without an events index), and which
+    of the two gave `prefix_hit_tokens`, the longer (`hit_source`: store, events, both when equal,
+    None for no hit)."""
+    store = (plan.store_hits or {}).get(instance_id, 0) if has_store else None
+    engine = None
+    if events is not None:
+        hits = plan.engine_hits
+        prefix = hits.prefixes.get(instance_id) if hits is not None else None
+        engine = {
+            # synced | partial | silent (its cache is unknown) | not_followed (no endpoint or slot)
+            "state": states.get(instance_id, "not_followed"),
+            "tokens": prefix.tokens if prefix else 0,
+            "gpu_tokens": prefix.gpu_tokens if prefix else 0,
+            "cpu_tokens": prefix.cpu_tokens if prefix else 0,
+            "disk_tokens": prefix.disk_tokens if prefix else 0,
+        }
+    store_tokens, engine_tokens = store or 0, engine["tokens"] if engine else 0
+    source = (None if not (store_tokens or engine_tokens) else "both" if store_tokens == engine_tokens
+              else "store" if store_tokens > engine_tokens else "events")
+    return {"hit_source": source, "store_hit_tokens": store, "events": engine}
 
 
 def _prediction_fields(prediction: TTFTPrediction | None) -> dict[str, float | int | None]:

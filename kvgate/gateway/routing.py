@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -27,11 +27,13 @@ from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.tokenizer import ChatTemplateError, PromptTooLong, TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.base import KVSLookup, LookupStatus
-from kvgate.metrics.definitions import GatewayMetrics
+from kvgate.kvs_client.events.view import EventsView
+from kvgate.metrics.definitions import GatewayMetrics, KVEventsLookupMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger, PDDecision
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
+from kvgate.scheduler.tiers import EngineHits
 from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore
 
@@ -54,6 +56,10 @@ class RoutePlan:
     # The prompt's length: len(prompt_ids), or an estimate when prompt_tokens_estimated.
     num_prompt_tokens: int = 0
     prompt_tokens_estimated: bool = False
+    # What the engines' KV events said (None: no events index, or not asked for this request).
+    engine_hits: EngineHits | None = None
+    # The debug route's: each instance's prefix in its own store segment, the store's view alone.
+    store_hits: Mapping[str, int] | None = None
 
     def score(self, instance_id: str) -> InstanceScore | None:
         # Scores are in ranking order and may be built when read: fetch only the one asked for.
@@ -88,8 +94,16 @@ class _Found:
     blocks: list[BlockHash] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     lookup: KVSLookup | None = None
+    engine: EngineHits | None = None
     kvs_s: float = 0.0
     extending_s: float = 0.0
+
+    def engine_holds_last(self) -> bool:
+        """Whether some engine holds every full block looked up (blocks past them may be hits too)."""
+        if self.engine is None or not self.engine.prefixes:
+            return False
+        looked_up = sum(block.num_tokens for block in self.blocks if block.full)
+        return max(prefix.tokens for prefix in self.engine.prefixes.values()) >= looked_up
 
 
 _ROLES = tuple(InstanceRole)
@@ -108,7 +122,7 @@ class RoutePlanner:
     def __init__(
         self,
         scheduler: Scheduler,
-        kvs: ResilientKVSClient,
+        kvs: ResilientKVSClient | None,
         tokenizer: TokenizerService,
         registry: InstanceRegistry,
         account: LoadAccount,
@@ -117,11 +131,18 @@ class RoutePlanner:
         window: PromptWindow,
         executor: Executor | None = None,
         decode_ledger: DecodeLedger | None = None,
+        events: EventsView | None = None,
+        events_metrics: KVEventsLookupMetrics | None = None,
+        max_query_blocks: int = 1024,
     ) -> None:
+        """`kvs` None: no store (--kvs-backend kv_events); `events`: the engines' KV events index."""
         self.prompt_limit = prompt_limit
         self._window = window
         self._scheduler = scheduler
         self._kvs = kvs
+        self._events = events
+        self._salted = events_metrics.unmatched.labels("cache_salt") if events_metrics is not None else None
+        self._max_query_blocks = kvs.max_query_blocks if kvs is not None else max_query_blocks
         self._tokenizer = tokenizer
         self._registry = registry
         self._account = account
@@ -167,7 +188,8 @@ class RoutePlanner:
             candidates = by_role[InstanceRole.PREFILL] + by_role[InstanceRole.DECODE]
             pd = self._scheduler.decide_pd(num_prompt_tokens, blocks, locations, by_role[InstanceRole.PREFILL],
                                            by_role[InstanceRole.DECODE], self._decode_ledger.tokens,
-                                           now=time.monotonic(), disk_locations=disk_locations, dry_run=explain)
+                                           now=time.monotonic(), disk_locations=disk_locations, engine=found.engine,
+                                           dry_run=explain)
             decision = pd.prefill
         else:
             # Whole requests go to neutral instances only: a decode instance refuses them.
@@ -175,14 +197,15 @@ class RoutePlanner:
             if not candidates:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
             decision = self._scheduler.decide(num_prompt_tokens, blocks, locations, candidates,
-                                              disk_locations=disk_locations, dry_run=explain)
+                                              disk_locations=disk_locations, engine=found.engine, dry_run=explain)
         schedule_s = time.perf_counter() - started - kvs_elapsed - found.extending_s
         self._stage["schedule"].observe(max(schedule_s, 0.0))
         if not encoding.complete and not explain:  # the debug route only looks
             self._window.metrics.estimated_prompts.inc()
             self._window.complete_later(self._tokenizer, encoding)
+        store_hits = self._scheduler.store_hits(num_prompt_tokens, blocks, locations) if explain else None
         return RoutePlan(encoding.ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd,
-                         num_prompt_tokens, not encoding.complete)
+                         num_prompt_tokens, not encoding.complete, found.engine, store_hits)
 
     async def _look_up(self, request: ParsedRequest, encoding: PromptEncoding, wants_kvs: bool,
                        explain: bool) -> _Found:
@@ -198,11 +221,15 @@ class RoutePlanner:
                 found.blocks = (self._scheduler.block_hashes(hashable) if len(hashable) <= _INLINE_HASH_TOKENS
                                 else await self._hash_in_executor(hashable))
                 found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
-            if found.keys and wants_kvs:
+            if found.keys and wants_kvs and self._kvs is not None:
                 found.lookup = await self._kvs.lookup(found.keys, hashable, request.model)
                 found.kvs_s += found.lookup.elapsed_s
-            if not (wants_kvs and self._window.should_extend(encoding, found.keys, found.lookup,
-                                                             self._kvs.max_query_blocks)):
+            if self._events is not None and (wants_kvs or explain):
+                found.engine = self._engine_hits(request, found.blocks)
+            if not (wants_kvs and (self._window.should_extend(encoding, found.keys, found.lookup,
+                                                              self._max_query_blocks)
+                                   or (not encoding.complete and len(found.keys) < self._max_query_blocks
+                                       and found.engine_holds_last()))):
                 return found
             # The store knows more of this prompt than the tokenize cache: tokenize further.
             window *= 2
@@ -210,6 +237,16 @@ class RoutePlanner:
             await self._tokenizer.extend(encoding, window)
             found.extending_s += time.perf_counter() - extending
             self._window.metrics.extensions.inc()
+
+    def _engine_hits(self, request: ParsedRequest, blocks: list[BlockHash]) -> EngineHits | None:
+        """The events index's answer for the prompt's first --kvs-max-query-blocks blocks."""
+        assert self._events is not None
+        if request.body.get("cache_salt"):
+            # The engine salts such a prompt's first block: kvgate's keys for it would never match.
+            if self._salted is not None:
+                self._salted.inc()
+            return None
+        return self._events.hits(blocks[: self._max_query_blocks])
 
     async def _encoding(self, request: ParsedRequest) -> PromptEncoding:
         # A batched completion is routed on its first prompt, as one engine request. Splitting it

@@ -18,6 +18,7 @@ from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlanner
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
+from kvgate.kvs_client.events.view import EventsView
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger
@@ -39,7 +40,7 @@ class Gateway:
     account: LoadAccount
     tracker: InflightTracker
     tokenizer: TokenizerService
-    kvs: ResilientKVSClient
+    kvs: ResilientKVSClient | None  # None: no store (--kvs-backend kv_events)
     planner: RoutePlanner
     hits: HitAccounting
     # Predicted decode tokens per decode instance (prefill/decode disaggregation).
@@ -51,6 +52,8 @@ class Gateway:
     forwarder: Forwarder | None = None
     # One worker of several (`kvgate serve --workers N`): the memory it shares with the others.
     shared: WorkerShare | None = None
+    # The engines' KV events index (docs/KV_EVENTS.md); None when no instance publishes events.
+    events: EventsView | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -41,6 +41,9 @@ def make_backend(settings: Settings, embedded_index: EmbeddedKVSIndex | None = N
                 include_disk_tier=settings.kvs_query_disk_tier,
                 max_answer_bytes=settings.kvs_max_answer_bytes,
             )
+        case KVSBackendName.KV_EVENTS:
+            raise ValueError("kvs_backend kv_events asks no store: the gateway reads the engines' KV events "
+                             "(kvgate/kvs_client/events/)")
     raise ValueError(f"unknown kvs_backend {settings.kvs_backend!r}")
 
 

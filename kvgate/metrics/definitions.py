@@ -331,3 +331,87 @@ def tokenize_tail_metrics(registry: CollectorRegistry) -> TokenizeTailMetrics:
             ["outcome"], registry=registry,
         ),
     )
+
+
+# --- engines' KV events (kvs_client/events/, docs/KV_EVENTS.md) ---
+# Seconds between an engine publishing a batch and the index applying it (clocks must agree).
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass(frozen=True)
+class KVEventsMetrics:
+    """Written by the one subscriber of a gateway (a process of its own under --workers N: gauges
+    sum over live processes, which is that one)."""
+
+    received: Counter  # instance: messages (batches) read from its socket, replayed ones included
+    applied: Counter  # instance: events applied to the index
+    dropped: Counter  # instance, reason
+    gaps: Counter  # instance
+    replays: Counter  # instance, outcome: repaired | incomplete | failed
+    resets: Counter  # instance, reason: restart | cleared | gap | malformed | stopped
+    orphans: Counter  # instance: blocks stored whose parent the index did not hold
+    blocks: Gauge  # instance, medium
+    lag_seconds: Histogram
+    silent_instances: Gauge
+    subscriptions: Gauge
+    index_rows: Gauge  # state: used | capacity
+
+
+def kv_events_metrics(registry: CollectorRegistry) -> KVEventsMetrics:
+    def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, list(labels), registry=registry, multiprocess_mode="livesum")
+
+    return KVEventsMetrics(
+        received=Counter("kvgate_kv_events_received", "KV event batches received from an instance's engine.",
+                         ["instance"], registry=registry),
+        applied=Counter("kvgate_kv_events_applied", "KV events applied to the events index.", ["instance"],
+                        registry=registry),
+        dropped=Counter(
+            "kvgate_kv_events_dropped",
+            "KV event batches or events not applied, by reason (not_msgpack, bad_batch, bad_event, bad_hash, "
+            "bad_frames, block_size, index_full, duplicate, ignored).",
+            ["instance", "reason"], registry=registry,
+        ),
+        gaps=Counter("kvgate_kv_events_gaps", "Sequence gaps seen in an instance's events.", ["instance"],
+                     registry=registry),
+        replays=Counter("kvgate_kv_events_replays",
+                        "Replays asked of an engine, by outcome (repaired, incomplete, failed).",
+                        ["instance", "outcome"], registry=registry),
+        resets=Counter("kvgate_kv_events_resets",
+                       "Times the index dropped an instance's blocks, by reason (restart, cleared, gap, malformed, "
+                       "stopped).", ["instance", "reason"], registry=registry),
+        orphans=Counter("kvgate_kv_events_orphan_blocks",
+                        "Stored blocks whose parent block the index did not hold (indexed anyway).",
+                        ["instance"], registry=registry),
+        blocks=gauge("kvgate_kv_events_blocks", "Blocks the events index holds for an instance, by medium.",
+                     ("instance", "medium")),
+        lag_seconds=Histogram("kvgate_kv_events_lag_seconds",
+                              "Time from an engine publishing a batch to the index applying it.",
+                              buckets=_LAG_BUCKETS, registry=registry),
+        silent_instances=gauge("kvgate_kv_events_silent_instances",
+                               "Instances with an events endpoint that have sent nothing since kvgate connected: "
+                               "their cache is unknown."),
+        subscriptions=gauge("kvgate_kv_events_subscriptions",
+                            "Event sockets this gateway has open (one per publishing instance, per machine)."),
+        index_rows=gauge("kvgate_kv_events_index_rows", "Rows of the events index, used and capacity.",
+                         ("state",)),
+    )
+
+
+@dataclass(frozen=True)
+class KVEventsLookupMetrics:
+    """Written on the request path, by every worker."""
+
+    lookups: Counter  # outcome: hit | miss | busy
+    unmatched: Counter  # reason: cache_salt
+
+
+def kv_events_lookup_metrics(registry: CollectorRegistry) -> KVEventsLookupMetrics:
+    return KVEventsLookupMetrics(
+        lookups=Counter("kvgate_kv_events_lookups",
+                        "Prompts looked up in the events index, by outcome (busy: the index kept changing).",
+                        ["outcome"], registry=registry),
+        unmatched=Counter("kvgate_kv_events_unmatched_requests",
+                          "Requests routed without the events index because the engine hashes them with keys "
+                          "kvgate cannot compute, by reason (cache_salt).", ["reason"], registry=registry),
+    )

@@ -17,7 +17,7 @@ from kvgate.scheduler.prefix import endpoint_map, prefix_hit_tokens
 from kvgate.scheduler.prfaas import ClusterDecision, PrfaasRouter, cluster_view
 from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.rejection import Rejection, RejectionFilter
-from kvgate.scheduler.tiers import TieredHits, tiered_hits
+from kvgate.scheduler.tiers import EngineHits, TieredHits, local_hit_tokens, tiered_hits
 from kvgate.scheduler.ttft import Predictions, TTFTModel, TTFTPrediction, TTFTProfile
 from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest
 
@@ -60,21 +60,45 @@ class Scheduler:
         candidates: Sequence[Candidate],
         *,
         disk_locations: Sequence[Collection[str]] | None = None,
+        engine: EngineHits | None = None,
         dry_run: bool = False,
     ) -> Decision:
         """Rank `candidates`. `locations` (memory replicas) None means the store did not answer: no
-        hits, load only. `disk_locations` count only with --kvs-query-disk-tier. `dry_run` (the
-        debug route) leaves the tie-break state alone."""
+        store hits. `disk_locations` count only with --kvs-query-disk-tier. `engine`: what the
+        engines' KV events say (None: no events). `dry_run` (the debug route) leaves the tie-break
+        state alone."""
         local: dict[str, int] = {}
         pool: Callable[[], TieredHits] = TieredHits.empty
-        if locations is not None and self.wants_kvs(num_prompt_tokens):
-            local = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
-            disk = disk_locations if self._settings.kvs_query_disk_tier else None
-            # The pool's view is built only if a prediction is read (conductor, rejection, debug).
-            pool = partial(tiered_hits, blocks, locations, disk, self.endpoint_map, num_prompt_tokens, local)
+        if (locations is not None or engine is not None) and self.wants_kvs(num_prompt_tokens):
+            local = self.local_hits(num_prompt_tokens, blocks, locations, engine)
+            if locations is not None:
+                disk = disk_locations if self._settings.kvs_query_disk_tier else None
+                # The pool's view is built only if a prediction is read (conductor, rejection, debug).
+                pool = partial(tiered_hits, blocks, locations, disk, self.endpoint_map, num_prompt_tokens, local,
+                               engine)
+            else:
+                pool = partial(TieredHits, local, [], engine)
         predictions = Predictions(self.ttft, candidates, num_prompt_tokens, pool)
         request = RoutingRequest(num_prompt_tokens, local, predictions, dry_run)
         return self.policy.select(request, candidates)
+
+    def store_hits(
+        self, num_prompt_tokens: int, blocks: Sequence[BlockHash], locations: Sequence[Collection[str]] | None
+    ) -> dict[str, int]:
+        """The prefix each instance holds in its own store segment (the store's view alone)."""
+        if locations is None:
+            return {}
+        return prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
+
+    def local_hits(
+        self,
+        num_prompt_tokens: int,
+        blocks: Sequence[BlockHash],
+        locations: Sequence[Collection[str]] | None,
+        engine: EngineHits | None,
+    ) -> dict[str, int]:
+        """Each instance's local prefix, its store segment's or its engine's, the longer."""
+        return local_hit_tokens(self.store_hits(num_prompt_tokens, blocks, locations), engine, num_prompt_tokens)
 
     def judge(
         self, decision: Decision, candidates: Sequence[Candidate], decode_load: InstanceLoad | None = None
@@ -126,6 +150,7 @@ class Scheduler:
         *,
         now: float,
         disk_locations: Sequence[Collection[str]] | None = None,
+        engine: EngineHits | None = None,
         dry_run: bool = False,
     ) -> PDDecision:
         """Both halves of a disaggregated request: the configured policy over the prefill instances,
@@ -135,16 +160,15 @@ class Scheduler:
         cluster = None
         if self.prfaas is not None and self._has_prfaas_cluster(decode_candidates):
             cluster, prefill_candidates = self._prefill_cluster(num_prompt_tokens, blocks, locations,
-                                                                prefill_candidates, now, dry_run)
+                                                                prefill_candidates, now, dry_run, engine)
         prefill = self.decide(num_prompt_tokens, blocks, locations, prefill_candidates,
-                              disk_locations=disk_locations, dry_run=dry_run)
+                              disk_locations=disk_locations, engine=engine, dry_run=dry_run)
         decode = self._decode.choose(RoutingRequest(num_prompt_tokens, dry_run=dry_run), decode_candidates,
                                      predicted_decode_tokens)
         # The decode instance prefills a skipped request itself: what it misses is what it computes.
         decode_hit = 0
-        if locations is not None and decode.selected is not None:
-            decode_hit = prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens).get(
-                decode.selected, 0)
+        if decode.selected is not None:
+            decode_hit = self.local_hits(num_prompt_tokens, blocks, locations, engine).get(decode.selected, 0)
         miss = max(0, num_prompt_tokens - decode_hit)
         threshold = self._settings.pd_skip_prefill_below_tokens
         # An offloaded prompt is long by the rule's own measure: it is never computed by a decode instance.
@@ -170,10 +194,11 @@ class Scheduler:
         prefill_candidates: Sequence[Candidate],
         now: float,
         dry_run: bool,
+        engine: EngineHits | None = None,
     ) -> tuple[ClusterDecision, Sequence[Candidate]]:
         assert self.prfaas is not None
         # Every instance's hit, whatever the policy: the rule's incremental length needs it.
-        hits = {} if locations is None else prefix_hit_tokens(blocks, locations, self.endpoint_map, num_prompt_tokens)
+        hits = self.local_hits(num_prompt_tokens, blocks, locations, engine)
         view = cluster_view(num_prompt_tokens, prefill_candidates, hits, self._cluster_of, self.prfaas.cluster)
         cluster = self.prfaas.decide(view.request, now, view.queues, prfaas_available=bool(view.prfaas),
                                      local_available=bool(view.local), dry_run=dry_run)

@@ -3,7 +3,8 @@
 - T_prefill prices the tokens the instance must compute, given the prefix already present, on the
   profile's prefill curve.
 - T_transfer prices the tokens it loads from other segments (network bandwidth) or disk tiers
-  (disk bandwidth) at the model's KV bytes per token. Its own segment counts as its prefix cache.
+  (disk bandwidth) at the model's KV bytes per token. Its own segment counts as its prefix cache;
+  blocks its own engine holds in a CPU or storage tier (KV events) load at host or disk bandwidth.
 - T_queue prices the prefill work queued there (the dispatch account's uncomputed tokens, which
   already merges what the engine reports) on the same curve, at the mean prompt's cost per token.
   Work done since dispatch leaves the account at each first token (a request at a time): the
@@ -47,6 +48,7 @@ class TTFTProfile:
     decode_per_context_token_s: float
     prefill_chunk_tokens: int = 2048
     balancing_threshold: float = 1.0
+    host_bytes_per_s: float = 50 * _GB
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TTFTProfile:
@@ -61,6 +63,7 @@ class TTFTProfile:
             per_token,
             settings.prefill_chunk_tokens,
             settings.kvcache_balancing_threshold,
+            settings.kv_host_bandwidth_gb_s * _GB,
         )
 
     def decode_step_s(self, batch: float, mean_context_tokens: float, with_prefill_chunk: bool = False) -> float:
@@ -84,7 +87,7 @@ class TTFTPrediction:
     queue_s: float
     prefill_s: float
     transfer_s: float
-    transfer_tokens: int  # loaded from other segments or disk tiers
+    transfer_tokens: int  # loaded from other segments, disk tiers or its own engine's CPU tier
     local_hit_tokens: int
     # Before calibration, for the calibration.
     raw_compute_s: float  # queue + prefill
@@ -122,9 +125,11 @@ class TTFTModel:
             cut = min(excess, network)
             network, disk = network - cut, max(0, disk - (excess - cut))
         prefill = profile.prefill.chunk_s(prefix, num_prompt_tokens - prefix)
-        transfer = (network / profile.network_bytes_per_s + disk / profile.disk_bytes_per_s) * (
-            profile.kv_bytes_per_token
-        )
+        host, own_disk = hits.own_tier_tokens(instance_id)
+        disk += own_disk
+        transfer = (
+            network / profile.network_bytes_per_s + disk / profile.disk_bytes_per_s + host / profile.host_bytes_per_s
+        ) * profile.kv_bytes_per_token
         queue = self.queue_s(candidate)
         compute_factor, transfer_factor = self.calibration.factors(instance_id)
         return TTFTPrediction(
@@ -133,7 +138,7 @@ class TTFTModel:
             compute_factor * queue,
             compute_factor * prefill,
             transfer_factor * transfer,
-            network + disk,
+            network + disk + host,
             local,
             queue + prefill,
             transfer,

@@ -27,6 +27,9 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 
 from kvgate.config.settings import Settings
+from kvgate.kvs_client.events import events_enabled
+from kvgate.kvs_client.events.index import EventsIndex
+from kvgate.workers.events_process import SubscriberSpec, run_events_subscriber
 from kvgate.workers.run_dir import RunDir, remove_abandoned, shared_memory_dir
 from kvgate.workers.shared_table import SharedTable
 from kvgate.workers.worker import WorkerSpec, run_worker
@@ -87,6 +90,13 @@ class Supervisor:
         with self._table.changing():
             for instance in settings.instances:
                 self._table.add(instance)
+        # The engines' KV events: one index in shared memory, written by one subscriber process.
+        self._events_path = ""
+        if events_enabled(settings):
+            self._events_path = str(self._run_dir / "events")
+            EventsIndex.create(settings.kv_events_index_bytes, settings.kv_events_max_instances,
+                               self._events_path).close()
+        self._subscriber: BaseProcess | None = None
         self._context = multiprocessing.get_context("spawn")
         self._count = workers
         self._log_level = log_level
@@ -114,16 +124,28 @@ class Supervisor:
 
     def _spawn(self, index: int) -> tuple[BaseProcess, Event]:
         spec = WorkerSpec(index, self._table.path, str(self._run_dir / "lock"), str(self._metrics_dir),
-                          self._log_level, supervisor_pid=os.getpid())
+                          self._log_level, supervisor_pid=os.getpid(), events_index_path=self._events_path)
         ready = self._context.Event()
         process = self._context.Process(target=run_worker, args=(self._settings, spec, ready),
                                         name=f"kvgate-worker-{index}", daemon=False)
         process.start()
         return process, ready
 
+    def _spawn_subscriber(self) -> tuple[BaseProcess, Event]:
+        spec = SubscriberSpec(self._events_path, self._table.path, str(self._run_dir / "lock"), self._log_level,
+                              supervisor_pid=os.getpid())
+        ready = self._context.Event()
+        process = self._context.Process(target=run_events_subscriber, args=(self._settings, spec, ready),
+                                        name="kvgate-kv-events", daemon=False)
+        process.start()
+        return process, ready
+
     def _start_all(self) -> bool:
         started = [self._spawn(index) for index in range(self._count)]
         self._processes = [process for process, _ in started]
+        if self._events_path:
+            self._subscriber, subscriber_ready = self._spawn_subscriber()
+            started.append((self._subscriber, subscriber_ready))
         deadline = time.monotonic() + _START_TIMEOUT_S
         for process, ready in started:
             while not ready.wait(0.2):
@@ -136,7 +158,7 @@ class Supervisor:
 
     def _watch(self) -> int:
         while not self._stopping:
-            wait([process.sentinel for process in self._processes], timeout=0.5)
+            wait([process.sentinel for process in self._all()], timeout=0.5)
             for index, process in enumerate(self._processes):
                 if process.is_alive() or self._stopping:
                     continue
@@ -144,6 +166,15 @@ class Supervisor:
                             index, process.pid, process.exitcode)
                 self._forget(index, process)
                 self._processes[index], _ = self._spawn(index)
+            subscriber = self._subscriber
+            if subscriber is not None and not subscriber.is_alive() and not self._stopping:
+                from prometheus_client import multiprocess
+
+                log.warning("the KV events subscriber (pid %s) died with exit code %s; restarting it",
+                            subscriber.pid, subscriber.exitcode)
+                if subscriber.pid is not None:
+                    multiprocess.mark_process_dead(subscriber.pid, str(self._metrics_dir))
+                self._subscriber, _ = self._spawn_subscriber()
         return 0
 
     def _forget(self, index: int, process: BaseProcess) -> None:
@@ -166,8 +197,12 @@ class Supervisor:
         self._stopping = True
         self._signal_workers()
 
+    def _all(self) -> list[BaseProcess]:
+        """The workers, and the events subscriber when there is one."""
+        return self._processes + ([self._subscriber] if self._subscriber is not None else [])
+
     def _signal_workers(self) -> None:
-        for process in self._processes:
+        for process in self._all():
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGTERM)
 
@@ -176,7 +211,7 @@ class Supervisor:
             self._stopping = True
             self._signal_workers()
         deadline = time.monotonic() + self._stop_timeout_s
-        for process in self._processes:
+        for process in self._all():
             process.join(max(deadline - time.monotonic(), 0.1))
             if process.is_alive():
                 log.error("worker %s did not stop in %.0fs; killing it", process.name, self._stop_timeout_s)

@@ -29,6 +29,8 @@ class WorkerSpec:
     metrics_dir: str
     log_level: str
     supervisor_pid: int
+    # The events index the supervisor's subscriber process writes; empty when events are off.
+    events_index_path: str = ""
 
 
 @dataclass

@@ -1,0 +1,32 @@
+"""`kvgate doctor` on a fleet routed by KV events alone: no store to probe, the engines still checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.commands.doctor import diagnose
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
+from kvgate.engine_model import ServiceProfile
+from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, start_mock_engine
+from tests.gateway_helpers import tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_doctor_names_the_missing_store_and_checks_the_engines():
+    engine_settings = Settings(kvs_chunk_size=16)
+    handle = await start_mock_engine(
+        MockEngineConfig(time_scale=0.0, settings=engine_settings, profile=ServiceProfile().with_block_size(16)),
+        tokenizer=TokenizerService(tokenizer()))
+    try:
+        settings = Settings(kvs_backend=KVSBackendName.KV_EVENTS, kvs_chunk_size=16, instances=(
+            InstanceConfig(id="e0", url=handle.url, model=DEFAULT_MODEL, kv_events_endpoint="tcp://127.0.0.1:5557"),))
+        results = {(r.check, r.subject): r for r in await diagnose(settings, TokenizerService(tokenizer()),
+                                                                   timeout_s=10, store_wait_s=1)}
+        store = results[("kv_events store reachable", "store")]
+        assert not store.passed and "KV events" in store.detail
+        assert results[("serves the model", "e0")].passed
+        assert ("block keys in store", "e0") not in results
+    finally:
+        await handle.close()
