@@ -152,7 +152,7 @@ async def test_evictions_are_block_removed_and_the_events_rebuild_the_cache(zmq_
             assert set(event["block_hashes"]) <= index, "a block removed that was never stored"
             index.difference_update(event["block_hashes"])
     cache = engine.engine.core.cache
-    assert index == {hash_of_key[key] for key in cache}
+    assert index == set(map(hash_of_key.__getitem__, cache.keys()))
     # Nothing is described beyond what the cache holds once no request runs.
     assert len(engine.engine._block_events) == len(cache)
 
