@@ -120,6 +120,28 @@ async def test_events_name_blocks_by_vllm_hashes_and_chain_them(zmq_ctx, session
         sub.close()
 
 
+async def test_blocks_filled_by_generated_tokens_are_stored_as_the_chain_goes_on(zmq_ctx, session, engines):
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    options = KVEventsOptions(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=replay_endpoint)
+    engine = await _start(engines, _config(options))
+    prompt = _prompt(2 * BLOCK + 5, seed=21)
+    # The KV of 37 prompt + 31 generated tokens (never the last one's): 4 full blocks, 2 after the prompt.
+    await complete(session, engine.url, prompt, max_tokens=2 * BLOCK)
+    batches, _ = await replay(zmq_ctx, replay_endpoint, 0)
+    stored = [event for batch in batches for event in batch.events()]
+    assert all(event["type"] == "BlockStored" for event in stored)
+    tokens = [token for event in stored for token in event["token_ids"]]
+    assert len(tokens) == 4 * BLOCK and tokens[: len(prompt)] == prompt
+    hashes = [h for event in stored for h in event["block_hashes"]]
+    assert hashes == _vllm_hashes(tokens, "int")  # each block names its tokens, chained from the prompt's
+    assert stored[0]["parent_block_hash"] is None
+    for previous, event in zip(stored, stored[1:], strict=False):
+        assert event["parent_block_hash"] == previous["block_hashes"][-1]
+    # Generated blocks come one by one, as decode steps complete them.
+    assert [len(event["block_hashes"]) for event in stored] == [2, 1, 1]
+    assert len(engine.engine.core.cache) == 4
+
+
 async def test_evictions_are_block_removed_and_the_events_rebuild_the_cache(zmq_ctx, session, engines):
     replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     options = KVEventsOptions(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=replay_endpoint)

@@ -28,7 +28,7 @@ from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_resp
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
-from kvgate.mock_engine.generation import generated_words
+from kvgate.mock_engine.generation import generated_token_ids, generated_words
 from kvgate.mock_engine.kv_event_blocks import BlockEventTranslator
 from kvgate.mock_engine.kv_events import KVEventsOptions, KVEventsPublisher
 from kvgate.mock_engine.metrics import EngineMetrics
@@ -147,14 +147,20 @@ class MockEngine:
         if self.kv_events is not None and self._block_events is not None:
             self.kv_events.publish(self._block_events.changes(added, evicted))
 
-    def _hold_keys(self, token_ids: Sequence[int]) -> tuple[str, ...]:
-        """The prompt's block keys; with KV events, also described for the events until
-        `_release_keys` (call it once the request has left the engine)."""
+    def _hold_blocks(
+        self, token_ids: Sequence[int], output_ids: Sequence[int] = ()
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The keys of the prompt's full blocks and of the full blocks its output fills after them;
+        with KV events, all described for the events until `_release_keys` (call it with both
+        once the request has left the engine)."""
+        tokens = [*token_ids, *output_ids] if output_ids else token_ids
         if self._block_events is None:
-            return self._keyer.keys(token_ids)
-        keys, vllm_hashes = self._keyer.keys_and_vllm_hashes(token_ids)
-        self._block_events.hold(keys, vllm_hashes, token_ids)
-        return keys
+            keys = self._keyer.keys(tokens)
+        else:
+            keys, vllm_hashes = self._keyer.keys_and_vllm_hashes(tokens)
+            self._block_events.hold(keys, vllm_hashes, tokens)
+        prompt_blocks = len(token_ids) // self.config.profile.block_size
+        return keys[:prompt_blocks], keys[prompt_blocks:]
 
     def _release_keys(self, keys: tuple[str, ...]) -> None:
         if self._block_events is not None:
@@ -236,9 +242,13 @@ class MockEngine:
         try:
             streams = []
             for engine_id, token_ids in zip(engine_ids, prompts, strict=True):
-                request_blocks = self._hold_keys(token_ids)
-                held.append(request_blocks)
-                streams.append(self.loop.submit(EngineRequest(engine_id, request_blocks, len(token_ids), max_tokens)))
+                # The KV of every generated token but the last is computed, and its full blocks cached
+                # (as vLLM). n samples share one sequence here: their output blocks are not modelled.
+                output_ids = generated_token_ids(self.config.seed, token_ids, max_tokens - 1) if generation.n == 1 else ()
+                request_blocks, output_blocks = self._hold_blocks(token_ids, output_ids)
+                held.append(request_blocks + output_blocks)
+                streams.append(self.loop.submit(
+                    EngineRequest(engine_id, request_blocks, len(token_ids), max_tokens, output_blocks)))
             shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
             # Choice index = prompt index * n + sample index, as vLLM numbers a batch's choices.
             words = [generated_words(self.config.seed + sample, token_ids, max_tokens)
@@ -273,7 +283,7 @@ class MockEngine:
             return self.pd.prefill_exchange(body, self.url)
         exchange = await self.pd.receive(body, len(prompts[0]))
         if exchange.received is not None:
-            block_keys = self._hold_keys(prompts[0])
+            block_keys, _ = self._hold_blocks(prompts[0])
             try:
                 if exchange.received.block_keys != block_keys:
                     raise APIError(400, "decode instance: the KV received is not this prompt's")
