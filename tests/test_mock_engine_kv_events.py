@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
+from kvgate.cli import main
 from kvgate.config.settings import HashAlgo, Settings
 from kvgate.engine_model import ServiceProfile
 from kvgate.mock_engine.block_keys import BlockKeyer
@@ -265,3 +271,37 @@ async def test_a_taken_replay_address_fails_the_start():
                                   replay_endpoint=f"tcp://127.0.0.1:{taken.getsockname()[1]}")
         with pytest.raises(zmq.ZMQError):
             await start_mock_engine(_config(options))
+
+
+async def test_the_command_publishes_with_its_flags(zmq_ctx, session, tmp_path):
+    replay_endpoint = f"ipc://{tmp_path}/replay"
+    argv = [sys.executable, "-m", "kvgate.cli", "mock-engine", "--port", "0", "--time-scale", "0",
+            "--kvs-chunk-size", str(BLOCK), "--hash-seed", SEED, "--kv-events-endpoint", f"ipc://{tmp_path}/events",
+            "--kv-events-replay-endpoint", replay_endpoint, "--kv-events-topic", "engine-7",
+            "--kv-events-encoding", "array", "--kv-events-hash", "bytes"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        line = await asyncio.to_thread(process.stdout.readline)
+        assert f"KV events on ipc://{tmp_path}/events" in line, process.stderr.read() if process.poll() else line
+        url = line.split("serving on ")[1].split()[0]
+        prompt = _prompt(2 * BLOCK, seed=9)
+        await complete(session, url, prompt)
+        [batch], _ = await replay(zmq_ctx, replay_endpoint, 0)
+        assert batch.topic == b"engine-7" and isinstance(msgpack.unpackb(batch.payload)[1][0], list)
+        assert batch.events()[0]["block_hashes"] == _vllm_hashes(prompt, "bytes")
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-events-replay-endpoint", "tcp://*:5558"], "--kv-events-replay-endpoint needs --kv-events-endpoint"),
+    (["--kv-events-endpoint", "udp://127.0.0.1:5557"], "must start with tcp://, ipc:// or inproc://"),
+])
+def test_bad_kv_events_flags_exit_2(capsys, flags, message):
+    assert main(["mock-engine", "--port", "0", *flags, "--check"]) == 2
+    assert message in capsys.readouterr().err
