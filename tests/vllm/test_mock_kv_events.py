@@ -1,5 +1,5 @@
-"""vLLM's own event classes decode a mock engine's KV events: run in the vLLM 0.32 virtualenv
-(REFERENCE.md section 12), in a subprocess, on bytes a mock engine really sent.
+"""vLLM's own event classes decode a mock engine's KV events: run by the engines' virtualenv (the
+`engine_venv` fixture: vLLM 0.32), in a subprocess, on bytes a mock engine really sent. No engine starts.
 
 Maps (vLLM 0.32) must decode with `KVEventBatch` and re-encode to the very same bytes; arrays (older
 vLLM) must decode with array-like variants of the same classes (same fields, same order).
@@ -10,21 +10,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import aiohttp
-import pytest
 import zmq.asyncio
 
+from kvgate.engines.install import EngineVenv
 from kvgate.mock_engine.kv_events import KVEventsOptions
 from kvgate.mock_engine.server import start_mock_engine
 from kvgate.processes import free_port
 from tests.kv_events_client import complete, replay
 from tests.test_mock_engine_kv_events import BLOCK, _config, _prompt, _vllm_hashes
-
-VLLM_VENV = Path(os.environ.get("KVGATE_VLLM_VENV", Path.home() / ".cache/kvgate/engines/vllm"))
-VLLM_PYTHON = VLLM_VENV / "bin/python"
-VLLM_EVENTS = VLLM_VENV / "lib/python3.11/site-packages/vllm/distributed/kv_events.py"
 
 # Run by vLLM's interpreter: decode each payload, print what vLLM's classes saw.
 _DECODE = r"""
@@ -62,9 +57,7 @@ def _as_json(value):
     return value.hex() if isinstance(value, bytes) else value
 
 
-@pytest.mark.skipif(not VLLM_EVENTS.exists(), reason=f"needs vLLM 0.32 installed in {VLLM_VENV} "
-                    "(REFERENCE.md section 12; set KVGATE_VLLM_VENV to another install)")
-async def test_vllm_decodes_the_mock_engines_events():
+async def test_vllm_decodes_the_mock_engines_events(engine_venv: EngineVenv):
     prompt = _prompt(3 * BLOCK, seed=5)
     sent = []
     ctx = zmq.asyncio.Context()
@@ -88,7 +81,7 @@ async def test_vllm_decodes_the_mock_engines_events():
     finally:
         ctx.term()
 
-    run = subprocess.run([str(VLLM_PYTHON), "-c", _DECODE], input=json.dumps(sent), capture_output=True,
+    run = subprocess.run([str(engine_venv.python), "-c", _DECODE], input=json.dumps(sent), capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert run.returncode == 0, run.stderr[-3000:]
     decoded = json.loads(run.stdout.strip().splitlines()[-1])
