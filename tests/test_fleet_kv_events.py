@@ -38,3 +38,13 @@ async def test_prefill_and_decode_engines_both_publish_the_prompt_s_blocks(tmp_p
         stored = [e for b in batches for e in b.events() if e["type"] == "BlockStored"]
         assert [h for e in stored for h in e["block_hashes"]] == expected, f"engine-{index}"
         assert stored[0]["parent_block_hash"] is None
+
+
+def test_without_a_directory_engines_bind_tcp_ports_subscribers_reach_on_loopback():
+    events = KVEventsSpec()
+    bound = events.options(1)
+    port = int(events.endpoint(1).rsplit(":", 1)[1])
+    assert (bound.endpoint, bound.replay_endpoint) == (f"tcp://*:{port}", events.replay_endpoint(1).replace(
+        "127.0.0.1", "*"))
+    assert events.endpoint(1) == f"tcp://127.0.0.1:{port}" == events.endpoint(1)  # picked once
+    assert events.endpoint(0) != events.endpoint(1) != events.replay_endpoint(1)

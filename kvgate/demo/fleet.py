@@ -52,23 +52,42 @@ class PrfaasSpec:
 
 @dataclass(frozen=True)
 class KVEventsSpec:
-    """Every engine publishes KV events as a vLLM does, on ipc sockets of its own in `directory`
-    (the engine binds them, vLLM's rule for ipc; a subscriber connects), with a replay socket beside."""
+    """Every engine publishes KV events as a vLLM does, with a replay socket beside. The engine binds
+    both (vLLM's rule for `*` and ipc); a subscriber connects to `endpoint(i)` and `replay_endpoint(i)`.
 
-    directory: str
+    With `directory`: ipc sockets in it. Without: TCP ports, bound as `tcp://*:PORT` as kvgate's real
+    vLLM engines are (kvgate/engines/vllm.py), each engine's pair picked when first asked for."""
+
+    directory: str | None = None
     encoding: EventEncoding = "map"
     hash_format: HashFormat = "int"
     topic: str = DEFAULT_TOPIC
+    _ports: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def endpoint(self, index: int) -> str:
-        return f"ipc://{self.directory}/engine-{index}.events"
+        """Where a subscriber connects for engine `index`'s events."""
+        if self.directory is not None:
+            return f"ipc://{self.directory}/engine-{index}.events"
+        return f"tcp://127.0.0.1:{self._port_pair(index)[0]}"
 
     def replay_endpoint(self, index: int) -> str:
-        return f"ipc://{self.directory}/engine-{index}.replay"
+        if self.directory is not None:
+            return f"ipc://{self.directory}/engine-{index}.replay"
+        return f"tcp://127.0.0.1:{self._port_pair(index)[1]}"
 
     def options(self, index: int) -> KVEventsOptions:
-        return KVEventsOptions(self.endpoint(index), self.replay_endpoint(index), self.topic, self.encoding,
-                               self.hash_format)
+        """What engine `index` binds."""
+        if self.directory is not None:
+            events, replay = self.endpoint(index), self.replay_endpoint(index)
+        else:
+            events_port, replay_port = self._port_pair(index)
+            events, replay = f"tcp://*:{events_port}", f"tcp://*:{replay_port}"
+        return KVEventsOptions(events, replay, self.topic, self.encoding, self.hash_format)
+
+    def _port_pair(self, index: int) -> tuple[int, int]:
+        if index not in self._ports:
+            self._ports[index] = (free_port(), free_port())
+        return self._ports[index]
 
 
 @dataclass(frozen=True)
