@@ -99,18 +99,26 @@ def add_parser(subparsers) -> None:
         default="http://127.0.0.1:8080/metadata",
         help="Mooncake HTTP metadata server URL",
     )
-    # --- KV events, as vLLM's --kv-events-config (docs/OPERATIONS.md) ---
-    parser.add_argument("--kv-events-endpoint", default=None,
-                        help="publish KV events on this ZMQ PUB endpoint, e.g. tcp://*:5557 (binds: `*`, `::`, "
-                        "ipc://, inproc://) or tcp://HOST:PORT (connects to a subscriber that binds), as vLLM")
-    parser.add_argument("--kv-events-replay-endpoint", default=None,
-                        help="also answer replay requests (from a sequence number) on this ZMQ ROUTER endpoint")
+    # --- KV events, as vLLM's --kv-events-config (docs/MOCK_KV_EVENTS.md) ---
+    parser.add_argument(
+        "--kv-events-endpoint", default=None,
+        help="publish KV events on this ZMQ PUB endpoint, e.g. tcp://*:5557; as vLLM it binds with `*`, `::`, "
+        "ipc:// or inproc://, and connects to tcp://HOST:PORT (where a subscriber binds)",
+    )
+    parser.add_argument(
+        "--kv-events-replay-endpoint", default=None,
+        help="also answer replay requests (from a sequence number) on this ZMQ ROUTER endpoint",
+    )
     parser.add_argument("--kv-events-topic", default=DEFAULT_TOPIC, help="the topic frame of every message")
-    parser.add_argument("--kv-events-encoding", choices=EVENT_ENCODINGS, default="map",
-                        help="map: events as maps tagged by type (vLLM 0.32); array: positional arrays (older vLLM)")
-    parser.add_argument("--kv-events-hash", choices=HASH_FORMATS, default="int",
-                        help="int: the low 64 bits of each block hash (vLLM's default); bytes: the raw 32 bytes "
-                        "(vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)")
+    parser.add_argument(
+        "--kv-events-encoding", choices=EVENT_ENCODINGS, default="map",
+        help="map: events as maps tagged by type (vLLM 0.32); array: positional arrays (older vLLM)",
+    )
+    parser.add_argument(
+        "--kv-events-hash", choices=HASH_FORMATS, default="int",
+        help="int: the low 64 bits of each block hash (vLLM's default); bytes: the raw 32 bytes "
+        "(vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
     # --- prefill/decode disaggregation (docs/PD.md) ---
     parser.add_argument("--role", choices=("neutral", "prefill", "decode"), default="neutral",
                         help="neutral serves whole requests; prefill and decode implement --pd-protocol's hand-off")

@@ -170,8 +170,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--instances, --gateway-replicas and --limit must be >= 1")
         if args.kv_events_lag_ms < 0:
             raise ValueError("--kv-events-lag-ms must be >= 0")
-        if args.cache_view != "store" and (args.prfaas_instances is not None or args.prefill_instances is not None
-                                           or args.decode_instances is not None):
+        fleets = (args.prfaas_instances, args.prefill_instances, args.decode_instances)
+        disaggregated = any(count is not None for count in fleets)
+        if args.cache_view != "store" and disaggregated:
             raise ValueError("--cache-view kv_events replays neutral instances only (not PD or PrfaaS yet)")
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
@@ -357,11 +358,15 @@ def _report(header: dict, summaries: list[dict]) -> str:
         [
             f"trace {header['trace']}: {summaries[0]['requests']} requests, {header['instances']} instances,"
             f" time scale {header['time_scale']:g}, KV cache {header['cache_capacity_blocks']} blocks/instance,"
-            f" {header['store_model']} store"
-            + (f", routed on KV events {header['kv_events_lag_ms']:g} ms late" if "kv_events_lag_ms" in header else ""),
+            f" {header['store_model']} store" + _view_note(header),
             f"hit ratio bounds: ideal (one infinite cache) {header['ideal_hit_ratio']:.1%},"
             f" one LRU as large as the fleet {header['fleet_lru_hit_ratio']:.1%}",
             "",
             table,
         ]
     )
+
+
+def _view_note(header: dict) -> str:
+    lag_ms = header.get("kv_events_lag_ms")
+    return "" if lag_ms is None else f", routed on KV events {lag_ms:g} ms late"

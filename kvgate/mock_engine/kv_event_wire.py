@@ -90,10 +90,13 @@ def _event_object(event: KVEvent, encoding: EventEncoding) -> dict[str, Any] | l
     if encoding == "array":
         return [name, *(value for _, value, _ in event.fields())]
     # A field with a default is omitted while it holds it (every default here is None).
-    return {"type": name, **{key: value for key, value, optional in event.fields() if value is not None or not optional}}
+    fields = event.fields()
+    return {"type": name, **{key: value for key, value, optional in fields if value is not None or not optional}}
 
 
-def encode_batch(ts: float, events: Sequence[KVEvent], encoding: EventEncoding, data_parallel_rank: int = 0) -> bytes:
+def encode_batch(
+    ts: float, events: Sequence[KVEvent], encoding: EventEncoding, data_parallel_rank: int = 0
+) -> bytes:
     """One KVEventBatch payload."""
     body = [float(ts), [_event_object(event, encoding) for event in events], data_parallel_rank]
     return msgpack.packb(body, use_bin_type=True)

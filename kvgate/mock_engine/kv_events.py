@@ -50,9 +50,13 @@ class KVEventsOptions:
     def __post_init__(self) -> None:
         for name, endpoint in (("endpoint", self.endpoint), ("replay endpoint", self.replay_endpoint)):
             if endpoint is not None and not endpoint.startswith(_SCHEMES):
-                raise ValueError(f"KV events {name} {endpoint!r}: must start with tcp://, ipc:// or inproc://")
+                raise ValueError(
+                    f"KV events {name} {endpoint!r}: must start with tcp://, ipc:// or inproc://"
+                )
         if self.encoding not in EVENT_ENCODINGS:
-            raise ValueError(f"KV events encoding {self.encoding!r}: choose from {', '.join(EVENT_ENCODINGS)}")
+            raise ValueError(
+                f"KV events encoding {self.encoding!r}: choose from {', '.join(EVENT_ENCODINGS)}"
+            )
         if self.hash_format not in HASH_FORMATS:
             raise ValueError(f"KV events hash {self.hash_format!r}: choose from {', '.join(HASH_FORMATS)}")
         if self.buffer_batches < 1:
@@ -92,7 +96,8 @@ class KVEventsPublisher:
                 self._replay.setsockopt(zmq.LINGER, 0)
                 # As vLLM, the replay socket always binds: clients come to the engine.
                 self.replay_endpoint = _bind(self._replay, self.options.replay_endpoint)
-                self._replay_task = asyncio.get_running_loop().create_task(self._serve_replays(), name="kv-replay")
+                loop = asyncio.get_running_loop()
+                self._replay_task = loop.create_task(self._serve_replays(), name="kv-replay")
         except BaseException:
             self._close_sockets()
             raise

@@ -1,9 +1,10 @@
 """The mock engine's HTTP face: an OpenAI-compatible server in front of an EngineLoop.
 
 Routes as a vLLM instance serves them: /v1/completions and /v1/chat/completions (streaming and
-not), /v1/models, /health, /metrics, /tokenize and /reset_prefix_cache. With KV events on, every change
-of the prefix cache is also published as vLLM publishes it (kv_events.py). A client that disconnects cancels its request in the
-engine (aiohttp cancels the handler; its `finally` frees the slot).
+not), /v1/models, /health, /metrics, /tokenize and /reset_prefix_cache. A client that disconnects
+cancels its request in the engine (aiohttp cancels the handler; its `finally` frees the slot).
+With KV events on, every change of the prefix cache is also published as vLLM publishes it
+(kv_events.py).
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ class MockEngine:
         self.publication = PublicationQueue(publisher, name) if publisher is not None else None
         events = config.kv_events
         self.kv_events = KVEventsPublisher(events) if events is not None else None
-        self._block_events = (
-            BlockEventTranslator(config.profile.block_size, events.hash_format) if events is not None else None
-        )
+        self._block_events: BlockEventTranslator | None = None
+        if events is not None:
+            self._block_events = BlockEventTranslator(config.profile.block_size, events.hash_format)
         on_change = self._on_cache_change if self.publication is not None or events is not None else None
         self.core = EngineCore(config.profile, on_cache_change=on_change)
         self.loop = EngineLoop(self.core, config.time_scale)
@@ -244,7 +245,8 @@ class MockEngine:
             for engine_id, token_ids in zip(engine_ids, prompts, strict=True):
                 # The KV of every generated token but the last is computed, and its full blocks cached
                 # (as vLLM). n samples share one sequence here: their output blocks are not modelled.
-                output_ids = generated_token_ids(self.config.seed, token_ids, max_tokens - 1) if generation.n == 1 else ()
+                output_ids = (generated_token_ids(self.config.seed, token_ids, max_tokens - 1)
+                              if generation.n == 1 else ())
                 request_blocks, output_blocks = self._hold_blocks(token_ids, output_ids)
                 held.append(request_blocks + output_blocks)
                 streams.append(self.loop.submit(
@@ -299,7 +301,9 @@ class MockEngine:
         evicted = cache.insert(block_keys)
         # A block inserted and evicted again by this very insert (a tiny cache) was never there.
         fresh = set(new)
-        self._publish_events([key for key in new if key in cache], [key for key in evicted if key not in fresh])
+        self._publish_events(
+            [key for key in new if key in cache], [key for key in evicted if key not in fresh]
+        )
 
     async def _prompts_token_ids(self, parsed: ParsedRequest) -> list[Sequence[int]]:
         """The token ids of every prompt: one, or each of a batched completion's."""

@@ -214,7 +214,9 @@ class Replay:
         if stored:
             self.index.add(stored, endpoint)
 
-    def _store_loader(self, slot: int, config: InstanceConfig) -> Callable[[tuple[str, ...]], StoreLoad] | None:
+    def _store_loader(
+        self, slot: int, config: InstanceConfig
+    ) -> Callable[[tuple[str, ...]], StoreLoad] | None:
         store = self.store
         if store is None:
             return None
