@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -21,7 +22,7 @@ import zmq.asyncio
 
 from kvgate.cli import main
 from kvgate.config.settings import HashAlgo, Settings
-from kvgate.engine_model import ServiceProfile
+from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.kv_events import KVEventsOptions
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine
@@ -146,6 +147,28 @@ async def test_blocks_filled_by_generated_tokens_are_stored_as_the_chain_goes_on
     # Generated blocks come one by one, as decode steps complete them.
     assert [len(event["block_hashes"]) for event in stored] == [2, 1, 1]
     assert len(engine.engine.core.cache) == 4
+
+
+async def test_a_step_s_events_go_out_once_its_modelled_time_has_passed(zmq_ctx, session, engines):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = Subscriber(zmq_ctx, endpoint, bind=True)
+    try:
+        config = dataclasses.replace(_config(KVEventsOptions(endpoint)), time_scale=2.0)
+        engine = await _start(engines, config)
+        await sub.until_live(engine, session)
+        prompt = _prompt(4000, seed=31)
+        # The first step of this prompt, as the engine model prices it (virtual time, a fresh core).
+        model = EngineCore(config.profile)
+        model.submit(EngineRequest("x", tuple(map(str, range(len(prompt) // BLOCK))), len(prompt), 1), 0.0)
+        first_step_s = model.step(0.0).duration_s * config.time_scale
+        assert first_step_s > 0.1
+        sent = time.monotonic()
+        answer = asyncio.ensure_future(complete(session, engine.url, prompt))
+        await sub.recv()
+        assert time.monotonic() - sent >= first_step_s  # vLLM publishes a step's events after it ran
+        await answer
+    finally:
+        sub.close()
 
 
 async def test_evictions_are_block_removed_and_the_events_rebuild_the_cache(zmq_ctx, session, engines):

@@ -31,6 +31,7 @@ from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_token_ids, generated_words
 from kvgate.mock_engine.kv_event_blocks import BlockEventTranslator
+from kvgate.mock_engine.kv_event_wire import KVEvent
 from kvgate.mock_engine.kv_events import KVEventsOptions, KVEventsPublisher
 from kvgate.mock_engine.metrics import EngineMetrics
 from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation, parse_served
@@ -99,7 +100,10 @@ class MockEngine:
             self._block_events = BlockEventTranslator(config.profile.block_size, events.hash_format)
         on_change = self._on_cache_change if self.publication is not None or events is not None else None
         self.core = EngineCore(config.profile, on_cache_change=on_change)
-        self.loop = EngineLoop(self.core, config.time_scale)
+        # A step's events go out once it is over (vLLM publishes after the step ran), not when planned.
+        self._step_events: list[KVEvent] = []
+        self.loop = EngineLoop(self.core, config.time_scale,
+                               on_step_done=self._flush_events if events is not None else None)
         self.metrics = EngineMetrics(config.model, self.core.stats,
                                      flavour=config.pd.protocol if config.pd is not None else "vllm")
         self._created = int(time.time())
@@ -140,13 +144,23 @@ class MockEngine:
     # --- the prefix cache's changes, to the store index and the KV events ---
 
     def _on_cache_change(self, added: list[str], evicted: list[str]) -> None:
+        """The core's callback, inside a step: the store index now, the events when the step ends."""
         if self.publication is not None:
             self.publication.on_cache_change(added, evicted)
-        self._publish_events(added, evicted)
+        if self._block_events is not None:
+            self._step_events += self._block_events.changes(added, evicted)
 
-    def _publish_events(self, added: list[str], evicted: list[str]) -> None:
-        if self.kv_events is not None and self._block_events is not None:
-            self.kv_events.publish(self._block_events.changes(added, evicted))
+    def _flush_events(self) -> None:
+        """Publish the finished step's events as one batch."""
+        if self.kv_events is not None and self._step_events:
+            events, self._step_events = self._step_events, []
+            self.kv_events.publish(events)
+
+    def _publish_events(self, events: list[KVEvent]) -> None:
+        """Changes made outside a step: after the events of a step still running, as one batch."""
+        if self.kv_events is not None:
+            self._step_events += events
+            self._flush_events()
 
     def _hold_blocks(
         self, token_ids: Sequence[int], output_ids: Sequence[int] = ()
@@ -191,8 +205,8 @@ class MockEngine:
             return json_response({"success": False})
         if self.publication is not None:
             self.publication.on_cache_change([], dropped)
-        if self.kv_events is not None and self._block_events is not None:
-            self.kv_events.publish(self._block_events.cleared())
+        if self._block_events is not None:
+            self._publish_events(self._block_events.cleared())
         return json_response({"success": True})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -301,9 +315,9 @@ class MockEngine:
         evicted = cache.insert(block_keys)
         # A block inserted and evicted again by this very insert (a tiny cache) was never there.
         fresh = set(new)
-        self._publish_events(
-            [key for key in new if key in cache], [key for key in evicted if key not in fresh]
-        )
+        if self._block_events is not None:
+            self._publish_events(self._block_events.changes(
+                [key for key in new if key in cache], [key for key in evicted if key not in fresh]))
 
     async def _prompts_token_ids(self, parsed: ParsedRequest) -> list[Sequence[int]]:
         """The token ids of every prompt: one, or each of a batched completion's."""
