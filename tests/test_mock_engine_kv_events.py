@@ -127,6 +127,21 @@ async def test_events_name_blocks_by_vllm_hashes_and_chain_them(zmq_ctx, session
         sub.close()
 
 
+async def test_hashes_match_the_reference_golden_vectors(zmq_ctx, session, engines):
+    """REFERENCE.md section 1: sha256_cbor of range(32) in 16-token blocks, seed "0"."""
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config = _config(KVEventsOptions(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=replay_endpoint,
+                                     hash_format="bytes"))
+    engine = await _start(engines, dataclasses.replace(config, settings=Settings(kvs_chunk_size=BLOCK, hash_seed="0")))
+    await complete(session, engine.url, list(range(32)))
+    [batch], _ = await replay(zmq_ctx, replay_endpoint, 0)
+    [stored] = batch.events()
+    assert [h.hex() for h in stored["block_hashes"]] == [
+        "d830de3d42c00f25a2949b5d12d98642664a44872c1614c5b0147556276afc9c",
+        "fedd9e4abebebbe6f6cf96b682f08d316063fe2f22a5c552192dd62904fcccac",
+    ]
+
+
 async def test_blocks_filled_by_generated_tokens_are_stored_as_the_chain_goes_on(zmq_ctx, session, engines):
     replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     options = KVEventsOptions(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=replay_endpoint)
