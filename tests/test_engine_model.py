@@ -231,3 +231,52 @@ def test_fast_forward_equals_stepping_one_by_one():
 def test_engine_is_deterministic():
     arrivals = [(i * 0.01, request(f"r{i}", f"p{i % 4}", 200 + 31 * i, max_tokens=5)) for i in range(20)]
     assert run(EngineCore(profile()), arrivals) == run(EngineCore(profile()), arrivals)
+
+
+def _with_output(rid: str, num_tokens: int, max_tokens: int) -> EngineRequest:
+    """A request naming the blocks its output fills: those after its prompt's full blocks."""
+    kv_tokens = num_tokens + max_tokens - 1  # the last generated token's KV is never computed
+    keys = tuple(f"{rid}-{i}" for i in range(kv_tokens // BS))
+    split = num_tokens // BS
+    return EngineRequest(rid, keys[:split], num_tokens, max_tokens, output_block_keys=keys[split:])
+
+
+def test_output_blocks_are_cached_once_their_kv_is_computed():
+    added_at: dict[str, int] = {}
+    produced = 0
+
+    def on_change(added: list[str], evicted: list[str]) -> None:
+        for key in added:
+            added_at[key] = produced  # tokens out before the step that cached it
+
+    engine = EngineCore(profile(), on_cache_change=on_change)
+    req = _with_output("a", 20, max_tokens=30)  # KV of 20 + 29 tokens: blocks 0 (prompt), 1, 2 (output)
+    assert req.output_block_keys == ("a-1", "a-2")
+    engine.submit(req, 0.0)
+    now = 0.0
+    while engine.has_work():
+        out = engine.step(now)
+        produced += len(out.first_tokens) + len(out.tokens)
+        now += out.duration_s
+    # Block 1 holds tokens 16..31: token 31, the 12th generated, gets its KV in the step making the 13th.
+    assert added_at == {"a-0": 0, "a-1": 12, "a-2": 28}
+    assert set(engine.cache.keys()) == {"a-0", "a-1", "a-2"} and engine.cache.used_blocks == 0
+
+
+def test_output_blocks_fast_forward_and_cancel_like_prompt_blocks():
+    arrivals = [(i * 0.05, _with_output(f"r{i}", 300 + 50 * i, 20 + 13 * i)) for i in range(12)]
+    slow, fast = EngineCore(profile()), EngineCore(profile())
+    slow_first, slow_finish, _ = run(slow, arrivals)
+    fast_first, fast_finish, _ = run(fast, arrivals, fast_forward=True)
+    assert fast_first == pytest.approx(slow_first) and fast_finish == pytest.approx(slow_finish)
+    assert slow.cache.keys() == fast.cache.keys() and "r11-62" in fast.cache  # its last output block
+    assert fast.cache.used_blocks == 0
+
+    engine = EngineCore(profile())
+    engine.submit(_with_output("c", 20, max_tokens=100), 0.0)
+    for _ in range(20):
+        engine.step(0.0)
+    assert "c-1" in engine.cache and engine.cancel("c")
+    assert engine.cache.used_blocks == 0 and "c-1" in engine.cache  # cached, evictable
+    with pytest.raises(ValueError, match="every full prompt block"):
+        engine.submit(EngineRequest("d", (), 40, 5, output_block_keys=("x",)), 0.0)

@@ -1,7 +1,8 @@
 """`kvgate mock-engine`: one simulated vLLM instance (OpenAI API, prefix cache, queue, metrics).
 
 It hashes prompts with the same settings flags (or `--config` file) as the gateway, so the blocks
-it publishes to the KV store are the keys the gateway looks up.
+it publishes to the KV store are the keys the gateway looks up. With `--kv-events-endpoint` it also
+publishes its prefix cache's changes as vLLM's KV events (ZMQ, vLLM 0.32's wire format).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from kvgate.bench.loadgen import run_async
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import SGLANG_DEFAULT_BOOTSTRAP_PORT
 from kvgate.engine_model import ServiceProfile
+from kvgate.mock_engine.kv_event_wire import EVENT_ENCODINGS, HASH_FORMATS
+from kvgate.mock_engine.kv_events import DEFAULT_TOPIC, KVEventsOptions
 from kvgate.mock_engine.pd import PDRole
 from kvgate.mock_engine.publishers import PUBLISH_BACKENDS, PublisherOptions, open_publisher
 from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, start_mock_engine
@@ -96,6 +99,26 @@ def add_parser(subparsers) -> None:
         default="http://127.0.0.1:8080/metadata",
         help="Mooncake HTTP metadata server URL",
     )
+    # --- KV events, as vLLM's --kv-events-config (docs/MOCK_KV_EVENTS.md) ---
+    parser.add_argument(
+        "--kv-events-endpoint", default=None,
+        help="publish KV events on this ZMQ PUB endpoint, e.g. tcp://*:5557; as vLLM it binds with `*`, `::`, "
+        "ipc:// or inproc://, and connects to tcp://HOST:PORT (where a subscriber binds)",
+    )
+    parser.add_argument(
+        "--kv-events-replay-endpoint", default=None,
+        help="also answer replay requests (from a sequence number) on this ZMQ ROUTER endpoint",
+    )
+    parser.add_argument("--kv-events-topic", default=DEFAULT_TOPIC, help="the topic frame of every message")
+    parser.add_argument(
+        "--kv-events-encoding", choices=EVENT_ENCODINGS, default="map",
+        help="map: events as maps tagged by type (vLLM 0.32); array: positional arrays (older vLLM)",
+    )
+    parser.add_argument(
+        "--kv-events-hash", choices=HASH_FORMATS, default="int",
+        help="int: the low 64 bits of each block hash (vLLM's default); bytes: the raw 32 bytes "
+        "(vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)",
+    )
     # --- prefill/decode disaggregation (docs/PD.md) ---
     parser.add_argument("--role", choices=("neutral", "prefill", "decode"), default="neutral",
                         help="neutral serves whole requests; prefill and decode implement --pd-protocol's hand-off")
@@ -141,9 +164,24 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
             max_model_len=args.max_model_len,
             settings=settings,
             report_cached_tokens=not args.no_prompt_tokens_details,
+            kv_events=_kv_events(args),
         )
     except ValueError as exc:
         raise ConfigError(f"configuration error:\n  {exc}") from None
+
+
+def _kv_events(args: argparse.Namespace) -> KVEventsOptions | None:
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    return KVEventsOptions(
+        endpoint=args.kv_events_endpoint,
+        replay_endpoint=args.kv_events_replay_endpoint,
+        topic=args.kv_events_topic,
+        encoding=args.kv_events_encoding,
+        hash_format=args.kv_events_hash,
+    )
 
 
 def _pd_role(args: argparse.Namespace) -> PDRole | None:
@@ -171,6 +209,15 @@ def _pd_summary(config: MockEngineConfig) -> str:
         return ""
     bootstrap = f", bootstrap port {pd.bootstrap_port}" if pd.bootstrap_port else ""
     return f", {pd.role} engine ({pd.protocol} hand-off{bootstrap})"
+
+
+def _kv_events_summary(config: MockEngineConfig) -> str:
+    events = config.kv_events
+    if events is None:
+        return ""
+    replay = f", replay on {events.replay_endpoint}" if events.replay_endpoint else ""
+    return (f", KV events on {events.endpoint} (topic {events.topic!r}, {events.encoding} events, "
+            f"{events.hash_format} hashes{replay})")
 
 
 def _publisher_options(args: argparse.Namespace, config: MockEngineConfig) -> PublisherOptions:
@@ -204,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             f"blocks of {config.profile.block_size} tokens, time scale {config.time_scale}, "
             f"keys {s.kvs_hash_algo}/{s.kvs_key_format} seed {s.hash_seed!r}, publishing to {options.backend}"
             + _pd_summary(config)
+            + _kv_events_summary(config)
         )
         return 0
     run_async(lambda: _serve(args, config, options))
@@ -232,8 +280,10 @@ async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: Pu
             publisher=publisher,
             name=f"mock-engine:{args.port}",
         )
+        events = handle.engine.kv_events
+        where = f", KV events on {events.endpoint}" if events is not None else ""
         print(
-            f"mock engine {config.model} serving on {handle.url} (publishing to {options.backend})",
+            f"mock engine {config.model} serving on {handle.url} (publishing to {options.backend}{where})",
             flush=True,
         )
         try:

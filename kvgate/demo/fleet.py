@@ -3,6 +3,7 @@
 The store is the embedded index (shared in-process by engines and gateway) or, with a Mooncake
 master, the real store: each engine publishes from its own loopback IP (127.0.0.2, .3, ...) and
 the gateway maps those IPs back to instances, exactly as it would for separate hosts.
+With `kv_events`, every engine also publishes its prefix cache's changes as vLLM's KV events.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kvgate.config.settings import (
 from kvgate.gateway.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
+from kvgate.mock_engine.kv_event_wire import EventEncoding, HashFormat
+from kvgate.mock_engine.kv_events import DEFAULT_TOPIC, KVEventsOptions
 from kvgate.mock_engine.pd import PDRole
 from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine
@@ -48,6 +51,46 @@ class PrfaasSpec:
 
 
 @dataclass(frozen=True)
+class KVEventsSpec:
+    """Every engine publishes KV events as a vLLM does, with a replay socket beside. The engine binds
+    both (vLLM's rule for `*` and ipc); a subscriber connects to `endpoint(i)` and `replay_endpoint(i)`.
+
+    With `directory`: ipc sockets in it. Without: TCP ports, bound as `tcp://*:PORT` as kvgate's real
+    vLLM engines are (kvgate/engines/vllm.py), each engine's pair picked when first asked for."""
+
+    directory: str | None = None
+    encoding: EventEncoding = "map"
+    hash_format: HashFormat = "int"
+    topic: str = DEFAULT_TOPIC
+    _ports: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def endpoint(self, index: int) -> str:
+        """Where a subscriber connects for engine `index`'s events."""
+        if self.directory is not None:
+            return f"ipc://{self.directory}/engine-{index}.events"
+        return f"tcp://127.0.0.1:{self._port_pair(index)[0]}"
+
+    def replay_endpoint(self, index: int) -> str:
+        if self.directory is not None:
+            return f"ipc://{self.directory}/engine-{index}.replay"
+        return f"tcp://127.0.0.1:{self._port_pair(index)[1]}"
+
+    def options(self, index: int) -> KVEventsOptions:
+        """What engine `index` binds."""
+        if self.directory is not None:
+            events, replay = self.endpoint(index), self.replay_endpoint(index)
+        else:
+            events_port, replay_port = self._port_pair(index)
+            events, replay = f"tcp://*:{events_port}", f"tcp://*:{replay_port}"
+        return KVEventsOptions(events, replay, self.topic, self.encoding, self.hash_format)
+
+    def _port_pair(self, index: int) -> tuple[int, int]:
+        if index not in self._ports:
+            self._ports[index] = (free_port(), free_port())
+        return self._ports[index]
+
+
+@dataclass(frozen=True)
 class FleetSpec:
     num_engines: int
     engine: MockEngineConfig
@@ -56,6 +99,8 @@ class FleetSpec:
     pd_protocol: PDProtocol | None = None
     # With pd_protocol: a remote prefill cluster, engines num_engines and up.
     prfaas: PrfaasSpec | None = None
+    # Engines also publish KV events (engine i on kv_events.endpoint(i)); None: they do not.
+    kv_events: KVEventsSpec | None = None
 
     @property
     def total_engines(self) -> int:
@@ -76,16 +121,18 @@ class FleetSpec:
         return InstanceRole.PREFILL if index < max(1, self.num_engines // 2) else InstanceRole.DECODE
 
     def engine_config(self, index: int) -> MockEngineConfig:
+        events = self.kv_events.options(index) if self.kv_events is not None else None
+        engine = dataclasses.replace(self.engine, kv_events=events)
         role = self.role(index)
         if role == InstanceRole.NEUTRAL:
-            return self.engine
+            return engine
         assert self.pd_protocol is not None
         # A prefill engine's bootstrap server needs a port of its own (SGLang always, vLLM never here).
         bootstrap = free_port() if role == InstanceRole.PREFILL and self.pd_protocol == PDProtocol.SGLANG else None
         egress = None
         if self.prfaas is not None and index >= self.num_engines:
             egress = self.prfaas.link_tokens_per_s / self.prfaas.num_engines
-        return dataclasses.replace(self.engine, pd=PDRole(role.value, self.pd_protocol.value, bootstrap_port=bootstrap,
+        return dataclasses.replace(engine, pd=PDRole(role.value, self.pd_protocol.value, bootstrap_port=bootstrap,
                                                           egress_tokens_per_s=egress))
 
 

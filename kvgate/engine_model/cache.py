@@ -51,6 +51,15 @@ class BlockCache:
         clone._reserved = self._reserved
         return clone
 
+    def clear(self) -> list[str] | None:
+        """Drop every cached block (a prefix-cache reset); returns their keys, or None (and changes
+        nothing) while running requests hold blocks or reserved room, as vLLM refuses then."""
+        if self._pins or self._reserved:
+            return None
+        dropped = list(self._lru)
+        self._lru.clear()
+        return dropped
+
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are cached (contiguous from the first); those are touched."""
         lru, pins = self._lru, self._pins

@@ -12,8 +12,9 @@ One step, as vLLM's scheduler does it:
 3. price the batch with the profile; blocks whose prefill completed enter the cache.
 
 Simplifications, stated: a request reserves the KV memory for its whole prompt and `max_tokens`
-at admission (no preemption); only full prompt blocks are cached (not generated tokens); a fully
-cached prompt still computes its last token (as vLLM does, to produce logits).
+at admission (no preemption); full prompt blocks are cached, and blocks filled by generated tokens
+only when the request names them (`output_block_keys`: the mock engine does, the trace simulator
+cannot); a fully cached prompt still computes its last token (as vLLM does, to produce logits).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class EngineRequest:
     block_keys: tuple[str, ...]
     num_prompt_tokens: int
     max_tokens: int
+    # Keys of the full blocks after the prompt's, which generated tokens fill (the prompt's unfull
+    # tail, then output), in order. Each enters the cache once its last token's KV is computed
+    # (the step after that token is generated), as vLLM caches decode blocks.
+    output_block_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1 or self.max_tokens < 1:
@@ -92,6 +97,8 @@ class _Sequence:
         "generated",
         "pinned",
         "reserved",
+        "out_keys",
+        "out_pinned",
     )
 
     def __init__(self, req: EngineRequest, blocks_needed: int, now: float) -> None:
@@ -105,6 +112,8 @@ class _Sequence:
         self.generated = 0
         self.pinned = 0  # leading keys this request holds pinned in the cache
         self.reserved = 0  # blocks of KV memory reserved and not yet committed
+        self.out_keys = req.output_block_keys
+        self.out_pinned = 0  # leading output keys committed and pinned
 
 
 def _copy_sequence(seq: _Sequence) -> _Sequence:
@@ -148,6 +157,8 @@ class EngineCore:
             raise ValueError(
                 f"{len(req.block_keys)} block keys for {req.num_prompt_tokens} tokens of {bs}-token blocks"
             )
+        if req.output_block_keys and len(req.block_keys) != req.num_prompt_tokens // bs:
+            raise ValueError("output block keys follow the keys of every full prompt block")
         capacity = self.profile.cache_capacity_blocks
         if -(-(req.num_prompt_tokens + 1) // bs) > capacity:
             raise ValueError(
@@ -237,8 +248,8 @@ class EngineCore:
             self._publish([], evicted)
             return out
         if not prefills and fast_forward_until is not None:
-            self._fast_forward(now, fast_forward_until, decodes, out)
-            self._publish([], evicted)
+            added = self._fast_forward(now, fast_forward_until, decodes, out)
+            self._publish(added, evicted)
             return out
 
         duration = profile.step_overhead_s + self._load_s
@@ -266,7 +277,7 @@ class EngineCore:
                 if seq.max_tokens == 1:
                     self._finish(seq, out)
         self._uncomputed -= out.prefill_tokens_computed
-        self._advance_decodes(decodes, 1, out)
+        added += self._advance_decodes(decodes, 1, out)
         out.duration_s = duration
         self._publish(added, evicted)
         return out
@@ -326,7 +337,7 @@ class EngineCore:
             budget -= extra
         return [(seq, n) for seq, n in zip(prefills, grants, strict=True) if n > 0]
 
-    def _fast_forward(self, now: float, until: float, decodes: list[_Sequence], out: StepOutcome) -> None:
+    def _fast_forward(self, now: float, until: float, decodes: list[_Sequence], out: StepOutcome) -> list[str]:
         profile = self.profile
         batch = len(decodes)
         context = 0
@@ -346,18 +357,36 @@ class EngineCore:
             steps += 1
         out.duration_s = elapsed
         out.num_steps = steps
-        self._advance_decodes(decodes, steps, out)
+        return self._advance_decodes(decodes, steps, out)
 
-    def _advance_decodes(self, decodes: list[_Sequence], steps: int, out: StepOutcome) -> None:
-        """Each decoding sequence gains `steps` tokens; those at max_tokens finish and leave."""
+    def _advance_decodes(self, decodes: list[_Sequence], steps: int, out: StepOutcome) -> list[str]:
+        """Each decoding sequence gains `steps` tokens; those at max_tokens finish and leave.
+        Returns the keys of output blocks newly cached."""
+        added: list[str] = []
         for seq in decodes:
+            # These steps computed the KV of the tokens generated before them.
+            kv_tokens = seq.prompt + seq.generated - 1 + steps
             seq.generated += steps
+            if seq.out_keys:
+                added += self._cache_output_blocks(seq, kv_tokens)
             out.tokens.append(seq.request_id)
             if seq.generated >= seq.max_tokens:
                 self._finish(seq, out)
         if out.finished:
             done_ids = set(out.finished)
             self._running = [s for s in self._running if s.request_id not in done_ids]
+        return added
+
+    def _cache_output_blocks(self, seq: _Sequence, kv_tokens: int) -> list[str]:
+        """Commit the output blocks whose KV is now complete (within the memory reserved for them)."""
+        full = min(kv_tokens // self.profile.block_size - len(seq.keys), len(seq.out_keys))
+        done = min(full, seq.out_pinned + seq.reserved)
+        if done <= seq.out_pinned:
+            return []
+        added = self.cache.commit(seq.out_keys[seq.out_pinned : done])
+        seq.reserved -= done - seq.out_pinned
+        seq.out_pinned = done
+        return added
 
     def _finish(self, seq: _Sequence, out: StepOutcome) -> None:
         out.finished.append(seq.request_id)
@@ -366,8 +395,9 @@ class EngineCore:
 
     def _free(self, seq: _Sequence) -> None:
         self.cache.unpin(seq.keys[: seq.pinned])
+        self.cache.unpin(seq.out_keys[: seq.out_pinned])
         self.cache.release(seq.reserved)
-        seq.pinned = seq.reserved = 0
+        seq.pinned = seq.reserved = seq.out_pinned = 0
 
     def _publish(self, added: list[str], evicted: list[str]) -> None:
         if self._on_cache_change is None or not (added or evicted):

@@ -122,6 +122,7 @@ class VLLMEngine:
 
     def __init__(self, spec: VLLMEngineSpec, venv: EngineVenv, log_dir: Path) -> None:
         self.spec = spec
+        self.venv = venv
         self.log_path = log_dir / f"vllm-{spec.port}.log"
         # TERM on the caller's death lets vLLM stop its engine-core and worker processes itself.
         self.process = LocalProcess(

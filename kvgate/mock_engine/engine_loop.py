@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvgate.engine_model import EngineCore, EngineRequest, StepOutcome
@@ -40,11 +41,13 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, time_scale: float) -> None:
+    def __init__(self, core: EngineCore, time_scale: float, on_step_done: Callable[[], None] | None = None) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         self.core = core
         self._time_scale = time_scale
+        # Called once a step's modelled time has passed, before its tokens are delivered.
+        self._on_step_done = on_step_done
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -99,6 +102,8 @@ class EngineLoop:
             delay = started + outcome.duration_s * self._time_scale - time.monotonic()
             # Yield to the handlers even for an instant step, so a busy engine never starves the loop.
             await asyncio.sleep(max(0.0, delay))
+            if self._on_step_done is not None:
+                self._on_step_done()
             self._deliver(outcome)
 
     def _deliver(self, outcome: StepOutcome) -> None:

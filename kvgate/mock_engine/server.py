@@ -1,8 +1,10 @@
 """The mock engine's HTTP face: an OpenAI-compatible server in front of an EngineLoop.
 
 Routes as a vLLM instance serves them: /v1/completions and /v1/chat/completions (streaming and
-not), /v1/models, /health and /metrics. A client that disconnects cancels its request in the
-engine (aiohttp cancels the handler; its `finally` frees the slot).
+not), /v1/models, /health, /metrics, /tokenize and /reset_prefix_cache. A client that disconnects
+cancels its request in the engine (aiohttp cancels the handler; its `finally` frees the slot).
+With KV events on, every change of the prefix cache is also published as vLLM publishes it
+(kv_events.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_resp
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
-from kvgate.mock_engine.generation import generated_words
+from kvgate.mock_engine.generation import generated_token_ids, generated_words
+from kvgate.mock_engine.kv_event_blocks import BlockEventTranslator
+from kvgate.mock_engine.kv_event_wire import KVEvent
+from kvgate.mock_engine.kv_events import KVEventsOptions, KVEventsPublisher
 from kvgate.mock_engine.metrics import EngineMetrics
 from kvgate.mock_engine.openai_request import GenerationRequest, parse_generation, parse_served
 from kvgate.mock_engine.pd import Exchange, PDEngineRole, PDRole
@@ -56,6 +61,8 @@ class MockEngineConfig:
     report_cached_tokens: bool = True
     # A prefill or decode engine of a disaggregated fleet (mock_engine/pd.py); None: a whole engine.
     pd: PDRole | None = None
+    # Publish the prefix cache's changes as vLLM's KV events (ZMQ); None: no events.
+    kv_events: KVEventsOptions | None = None
 
     def __post_init__(self) -> None:
         if self.profile.block_size != self.settings.kvs_chunk_size:
@@ -86,9 +93,17 @@ class MockEngine:
         self._tokenizer = tokenizer
         self._keyer = BlockKeyer(config.settings)
         self.publication = PublicationQueue(publisher, name) if publisher is not None else None
-        on_change = self.publication.on_cache_change if self.publication is not None else None
+        events = config.kv_events
+        self.kv_events = KVEventsPublisher(events) if events is not None else None
+        self._block_events: BlockEventTranslator | None = None
+        if events is not None:
+            self._block_events = BlockEventTranslator(config.profile.block_size, events.hash_format)
+        on_change = self._on_cache_change if self.publication is not None or events is not None else None
         self.core = EngineCore(config.profile, on_cache_change=on_change)
-        self.loop = EngineLoop(self.core, config.time_scale)
+        # A step's events go out once it is over (vLLM publishes after the step ran), not when planned.
+        self._step_events: list[KVEvent] = []
+        self.loop = EngineLoop(self.core, config.time_scale,
+                               on_step_done=self._flush_events if events is not None else None)
         self.metrics = EngineMetrics(config.model, self.core.stats,
                                      flavour=config.pd.protocol if config.pd is not None else "vllm")
         self._created = int(time.time())
@@ -105,11 +120,14 @@ class MockEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         if self.pd is not None:
             self.pd.add_routes(app)
         return app
 
     async def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()  # first: a taken address fails the start before anything runs
         if self.publication is not None:
             self.publication.start()
         self.loop.start()
@@ -120,6 +138,48 @@ class MockEngine:
             await self.pd.close()
         if self.publication is not None:
             await self.publication.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    # --- the prefix cache's changes, to the store index and the KV events ---
+
+    def _on_cache_change(self, added: list[str], evicted: list[str]) -> None:
+        """The core's callback, inside a step: the store index now, the events when the step ends."""
+        if self.publication is not None:
+            self.publication.on_cache_change(added, evicted)
+        if self._block_events is not None:
+            self._step_events += self._block_events.changes(added, evicted)
+
+    def _flush_events(self) -> None:
+        """Publish the finished step's events as one batch."""
+        if self.kv_events is not None and self._step_events:
+            events, self._step_events = self._step_events, []
+            self.kv_events.publish(events)
+
+    def _publish_events(self, events: list[KVEvent]) -> None:
+        """Changes made outside a step: after the events of a step still running, as one batch."""
+        if self.kv_events is not None:
+            self._step_events += events
+            self._flush_events()
+
+    def _hold_blocks(
+        self, token_ids: Sequence[int], output_ids: Sequence[int] = ()
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The keys of the prompt's full blocks and of the full blocks its output fills after them;
+        with KV events, all described for the events until `_release_keys` (call it with both
+        once the request has left the engine)."""
+        tokens = [*token_ids, *output_ids] if output_ids else token_ids
+        if self._block_events is None:
+            keys = self._keyer.keys(tokens)
+        else:
+            keys, vllm_hashes = self._keyer.keys_and_vllm_hashes(tokens)
+            self._block_events.hold(keys, vllm_hashes, tokens)
+        prompt_blocks = len(token_ids) // self.config.profile.block_size
+        return keys[:prompt_blocks], keys[prompt_blocks:]
+
+    def _release_keys(self, keys: tuple[str, ...]) -> None:
+        if self._block_events is not None:
+            self._block_events.release(keys)
 
     # --- routes ---
 
@@ -136,6 +196,18 @@ class MockEngine:
             "max_model_len": self.config.context_limit,
         }
         return json_response({"object": "list", "data": [card]})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: drops every cached block, and fails (`success` false)
+        while running requests hold blocks, as vLLM's does."""
+        dropped = self.core.cache.clear()
+        if dropped is None:
+            return json_response({"success": False})
+        if self.publication is not None:
+            self.publication.on_cache_change([], dropped)
+        if self._block_events is not None:
+            self._publish_events(self._block_events.cleared())
+        return json_response({"success": True})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -181,11 +253,18 @@ class MockEngine:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         # As vLLM: one engine request per prompt of a batch; its n samples share the prompt's prefill.
         engine_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        held: list[tuple[str, ...]] = []
         try:
             streams = []
             for engine_id, token_ids in zip(engine_ids, prompts, strict=True):
-                request_blocks = self._keyer.keys(token_ids)
-                streams.append(self.loop.submit(EngineRequest(engine_id, request_blocks, len(token_ids), max_tokens)))
+                # The KV of every generated token but the last is computed, and its full blocks cached
+                # (as vLLM). n samples share one sequence here: their output blocks are not modelled.
+                output_ids = (generated_token_ids(self.config.seed, token_ids, max_tokens - 1)
+                              if generation.n == 1 else ())
+                request_blocks, output_blocks = self._hold_blocks(token_ids, output_ids)
+                held.append(request_blocks + output_blocks)
+                streams.append(self.loop.submit(
+                    EngineRequest(engine_id, request_blocks, len(token_ids), max_tokens, output_blocks)))
             shape = ResponseShape(chat, request_id, self.config.model, int(time.time()))
             # Choice index = prompt index * n + sample index, as vLLM numbers a batch's choices.
             words = [generated_words(self.config.seed + sample, token_ids, max_tokens)
@@ -205,6 +284,8 @@ class MockEngine:
             # Finished requests are already gone; anything else (disconnect, error) frees the engine.
             for engine_id in engine_ids:
                 self.loop.cancel(engine_id)
+            for keys in held:
+                self._release_keys(keys)
 
     async def _hand_off(self, generation: GenerationRequest, prompts: list[Sequence[int]]) -> Exchange:
         """Prefill: where its blocks will be offered. Decode: pulls the prompt's blocks from the
@@ -218,11 +299,25 @@ class MockEngine:
             return self.pd.prefill_exchange(body, self.url)
         exchange = await self.pd.receive(body, len(prompts[0]))
         if exchange.received is not None:
-            block_keys = self._keyer.keys(prompts[0])
-            if exchange.received.block_keys != block_keys:
-                raise APIError(400, "decode instance: the KV received is not this prompt's")
-            self.core.cache.insert(block_keys)
+            block_keys, _ = self._hold_blocks(prompts[0])
+            try:
+                if exchange.received.block_keys != block_keys:
+                    raise APIError(400, "decode instance: the KV received is not this prompt's")
+                self._receive_blocks(block_keys)
+            finally:
+                self._release_keys(block_keys)
         return exchange
+
+    def _receive_blocks(self, block_keys: tuple[str, ...]) -> None:
+        """Pulled KV enters the cache; KV events report it as vLLM reports blocks a connector loaded."""
+        cache = self.core.cache
+        new = [key for key in block_keys if key not in cache]
+        evicted = cache.insert(block_keys)
+        # A block inserted and evicted again by this very insert (a tiny cache) was never there.
+        fresh = set(new)
+        if self._block_events is not None:
+            self._publish_events(self._block_events.changes(
+                [key for key in new if key in cache], [key for key in evicted if key not in fresh]))
 
     async def _prompts_token_ids(self, parsed: ParsedRequest) -> list[Sequence[int]]:
         """The token ids of every prompt: one, or each of a batched completion's."""

@@ -19,6 +19,13 @@ Store models (`--store-model`):
 - local: one cache per instance of the whole capacity, loaded for free, reported as is (no
   instance can use another's blocks).
 
+Cache views (`--cache-view`), what the gateway's lookups see:
+- store: the index the store model reports (the segments with shared, each cache with local),
+  up to date at every step's start.
+- kv_events: each instance's own HBM prefix cache as its KV events report it (blocks computed or
+  loaded into HBM, blocks evicted), one batch per step, visible `kv_events_lag_s` after the step
+  ends (simulator/kv_events_view.py). The store model still decides what engines can load.
+
 Before dispatch the scheduler's rejection filter runs (`--early-rejection`); a rejected request
 is counted and never reaches an engine. Measured TTFTs (first token minus dispatch) calibrate the
 TTFT model as the gateway's first bytes do.
@@ -45,7 +52,8 @@ from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, EngineStats
-from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
+from kvgate.simulator.kv_events_view import KVEventsView
+from kvgate.simulator.profile import CACHE_VIEWS, STORE_MODELS, hbm_blocks
 from kvgate.simulator.replicas import GatewayReplicas
 from kvgate.simulator.report import HitRatioReference, SimulationSummary, SLOOutcome, summarise
 from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
@@ -99,7 +107,11 @@ class Replay:
         reference: HitRatioReference,
         store_model: str = "shared",
         replicas: GatewayReplicas | None = None,
+        cache_view: str = "store",
+        kv_events_lag_s: float = 0.0,
     ) -> None:
+        if cache_view not in CACHE_VIEWS:
+            raise ValueError(f"--cache-view: unknown {cache_view!r}; choose from {', '.join(CACHE_VIEWS)}")
         if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
             raise ValueError(
                 f"the trace's blocks are {TRACE_BLOCK_TOKENS} tokens: the profile's block size and"
@@ -117,11 +129,13 @@ class Replay:
         self._replicas = replicas
         self.account: LoadAccount | GatewayReplicas = replicas or LoadAccount(settings.request_local_account_staleness_s)
         self.index = EmbeddedKVSIndex()
+        # With the kv_events view the index is the gateway's events index, fed by the engines alone.
+        self.events = KVEventsView(self.index, kv_events_lag_s) if cache_view == "kv_events" else None
         self.store = self._shared_store(store_model, profile, settings, len(configs))
         if self.store is not None:
             profile = dataclasses.replace(profile, cache_capacity_blocks=hbm_blocks(profile.cache_capacity_blocks))
         self.instances = [
-            SimInstance(c, EngineCore(profile, self._publisher(slot, c), self._store_loader(slot),
+            SimInstance(c, EngineCore(profile, self._publisher(slot, c), self._store_loader(slot, c),
                                       self._store_writer(slot, c)))
             for slot, c in enumerate(configs)
         ]
@@ -158,6 +172,16 @@ class Replay:
         index = self.index
         store = self.store
         endpoint = config.kvs_endpoints[0]
+        if self.events is not None:
+            record = self.events.recorder(endpoint)
+            if store is None:
+                return record
+
+            def on_computed_and_evented(added: list[str], evicted_from_hbm: list[str]) -> None:
+                store.store(slot, added)  # the segments still fill; only the gateway stops reading them
+                record(added, evicted_from_hbm)
+
+            return on_computed_and_evented
         if store is None:
 
             def on_cache_change(added: list[str], evicted: list[str]) -> None:
@@ -183,16 +207,32 @@ class Replay:
         return lambda keys: self._index_segment(endpoint, *store.restore(slot, keys))
 
     def _index_segment(self, endpoint: str, stored: list[str], dropped: list[str]) -> None:
+        if self.events is not None:
+            return  # the gateway reads the engines' events, not the store's index
         if dropped:
             self.index.remove(dropped, endpoint)
         if stored:
             self.index.add(stored, endpoint)
 
-    def _store_loader(self, slot: int) -> Callable[[tuple[str, ...]], StoreLoad] | None:
+    def _store_loader(
+        self, slot: int, config: InstanceConfig
+    ) -> Callable[[tuple[str, ...]], StoreLoad] | None:
         store = self.store
         if store is None:
             return None
-        return lambda keys: store.plan_load(slot, keys)
+        if self.events is None:
+            return lambda keys: store.plan_load(slot, keys)
+        # Blocks loaded into HBM are stored blocks to the engine's events (the core reports only
+        # the ones it computes).
+        record = self.events.recorder(config.kvs_endpoints[0])
+
+        def load(keys: tuple[str, ...]) -> StoreLoad:
+            plan = store.plan_load(slot, keys)
+            if plan.blocks:
+                record(list(keys[: plan.blocks]), [])
+            return plan
+
+        return load
 
     def _push(self, when: float, priority: int, instance: int) -> None:
         self._seq += 1
@@ -260,6 +300,8 @@ class Replay:
     def _dispatch(self, req: TraceRequest, now: float) -> None:
         scheduler = self.scheduler
         account = self.account
+        if self.events is not None:
+            self.events.deliver_until(now)
         n = req.input_length
         blocks = self.blocks(req)
         # Engines cache and publish under the store key names the gateway looks up.
@@ -295,6 +337,8 @@ class Replay:
     def _start_step(self, slot: int, now: float) -> None:
         inst = self.instances[slot]
         out = inst.engine.step(now, fast_forward_until=self._next_arrival_at)
+        if self.events is not None:
+            self.events.step_ends(inst.config.kvs_endpoints[0], now + out.duration_s)
         if out.num_steps == 0:
             inst.busy = False
             return
@@ -401,6 +445,8 @@ def simulate(
     reference: HitRatioReference | None = None,
     store_model: str = "shared",
     replicas: GatewayReplicas | None = None,
+    cache_view: str = "store",
+    kv_events_lag_s: float = 0.0,
 ) -> SimulationResult:
     """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines,
     through one gateway or through `replicas`."""
@@ -414,5 +460,7 @@ def simulate(
         reference=reference or hit_ratio_reference(requests, num_instances * profile.cache_capacity_blocks),
         store_model=store_model,
         replicas=replicas,
+        cache_view=cache_view,
+        kv_events_lag_s=kv_events_lag_s,
     )
     return replay.run()

@@ -1,0 +1,216 @@
+"""kvgate's keys and its events index against the KV events of two real vLLM engines.
+
+e0 publishes int block hashes (vLLM's default), e1 the 32-byte digests
+(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Both have a 24-block KV cache, so a test can evict.
+The last test restarts e0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.doctor.probes import PROBE_CHAT, PROBE_TOOLS
+from kvgate.engines.vllm import VLLMEngine
+from kvgate.gateway.server import start_gateway
+from kvgate.kvs_client.events.base import BlocksStored
+from kvgate.kvs_client.events.keys import key_of
+from kvgate.kvs_client.events.vllm import VllmDecoder
+from tests.gateway_helpers import assert_nothing_in_flight
+from tests.vllm.fleet import KV_BLOCKS, MODEL, module_fleet
+
+BLOCK = 256
+
+
+@pytest.fixture(scope="module")
+def engines(engine_venv, model_dir, tmp_path_factory):
+    specs = [{"kv_events_int_hashes": True}, {"kv_events_int_hashes": False}]
+    with module_fleet(engine_venv, model_dir, tmp_path_factory.mktemp("vllm-events"), specs) as fleet:
+        yield fleet
+
+
+def settings_for(engines, **overrides) -> Settings:
+    values = {
+        "port": 0,
+        "dispatch_policy": "cache_aware",
+        "cache_aware_scheduling_min_tokens": 0,
+        "kvs_backend": "kv_events",
+        "health_check_interval_s": 0.5,
+        "stats_poll_interval_s": 60.0,
+        "instances": [
+            InstanceConfig(id=f"e{i}", url=e.url, model=MODEL, kv_events_endpoint=e.spec.kv_events_endpoint,
+                           kv_events_replay_endpoint=e.spec.kv_events_replay_endpoint)
+            for i, e in enumerate(engines)
+        ],
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+async def gateway(engines, engine_tokenizer):
+    handle = await start_gateway(settings_for(engines), tokenizer=engine_tokenizer)
+    yield handle
+    await handle.close()
+
+
+class EventTap:
+    """A SUB socket on one engine: the block hashes of every BlockStored, decoded by kvgate's decoder."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        self._socket.connect(engine.spec.kv_events_endpoint)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._decoder = VllmDecoder()
+
+    async def settle(self) -> None:
+        await asyncio.sleep(0.5)  # a SUB socket misses what is published before it is connected
+
+    async def stored_until(self, wanted: list[int], timeout_s: float = 10.0) -> list[int]:
+        """Every stored hash, in order, until all of `wanted` were seen."""
+        seen: list[int] = []
+        deadline = time.monotonic() + timeout_s
+        while not set(wanted) <= set(seen):
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"engine published {seen}, never all of {wanted}"
+            frames = await asyncio.wait_for(self._socket.recv_multipart(), remaining)
+            for event in self._decoder.decode(frames[2]).events:
+                if isinstance(event, BlocksStored):
+                    seen.extend(event.hashes)
+        return seen
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+async def post(url: str, path: str, body: dict) -> dict:
+    async with aiohttp.ClientSession() as session, session.post(url + path, json=body) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+def fresh_ids(seed: int, length: int) -> list[int]:
+    return [1000 + (seed * 7919 + i * 104729) % 90000 for i in range(length)]
+
+
+def engine_keys(plan: dict) -> list[int]:
+    """The gateway's block keys (hex digest + "_0") as the index keys an engine's hashes map to."""
+    return [key_of(bytes.fromhex(key.removesuffix("_0"))) for key in plan["block_keys"]]
+
+
+def by_id(plan: dict) -> dict[str, dict]:
+    return {entry["id"]: entry for entry in plan["instances"]}
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["int-hashes", "bytes-hashes"])
+async def test_block_keys_equal_the_engines_block_hashes(engines, gateway, index):
+    """For token-id, text and chat (with tools) prompts: the gateway's keys are the engine's hashes."""
+    engine = engines[index]
+    long_text = " ".join(f"word{i}" for i in range(700)) + f" seed {index}"
+    bodies = [
+        {"model": MODEL, "prompt": fresh_ids(10 + index, 3 * BLOCK + 17), "max_tokens": 1},
+        {"model": MODEL, "prompt": long_text, "max_tokens": 1},
+        {"model": MODEL, "messages": [*PROBE_CHAT, {"role": "user", "content": long_text}], "tools": PROBE_TOOLS,
+         "max_tokens": 1},
+    ]
+    tap = EventTap(engine)
+    try:
+        await tap.settle()
+        for body in bodies:
+            plan = await post(gateway.url, "/debug/schedule", body)
+            ours = engine_keys(plan)
+            assert len(ours) >= 2
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            await post(engine.url, path, body)  # straight to the engine: its own view of the prompt
+            stored = await tap.stored_until(ours)
+            assert [key_of(h) for h in stored[: len(ours)]] == ours
+    finally:
+        tap.close()
+
+
+async def test_a_served_prompt_shows_as_a_hit_on_its_engine_only(engines, gateway):
+    prompt = fresh_ids(20, 4 * BLOCK + 30)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    before = by_id(await post(gateway.url, "/debug/schedule", body))
+    assert before["e0"]["prefix_hit_tokens"] == before["e1"]["prefix_hit_tokens"] == 0
+    await post(engines[0].url, "/v1/completions", body)
+    answered = time.monotonic()
+    while True:
+        plan = by_id(await post(gateway.url, "/debug/schedule", body))
+        if plan["e0"]["prefix_hit_tokens"]:
+            break
+        assert time.monotonic() - answered < 5, plan
+    lag_s = time.monotonic() - answered
+    assert plan["e0"]["prefix_hit_tokens"] == 4 * BLOCK
+    assert plan["e0"]["hit_source"] == "events" and plan["e0"]["events"]["state"] == "synced"
+    assert plan["e1"]["prefix_hit_tokens"] == 0
+    # The engine publishes as it stores, before its answer is written: the hit is there at once.
+    assert lag_s < 0.1, f"the hit appeared {lag_s * 1000:.0f} ms after the answer"
+
+
+async def test_an_evicted_prefix_is_no_longer_a_hit(engines, gateway):
+    engine = engines[1]
+    body = {"model": MODEL, "prompt": fresh_ids(30, 3 * BLOCK + 5), "max_tokens": 1}
+    await post(engine.url, "/v1/completions", body)
+    await _wait_hit(gateway.url, body, "e1", 3 * BLOCK)
+    # More new blocks than the whole cache holds: the oldest, our prompt's, are evicted.
+    for seed in range(40, 40 + KV_BLOCKS // 6 + 2):
+        await post(engine.url, "/v1/completions", {"model": MODEL, "prompt": fresh_ids(seed, 15 * BLOCK // 2),
+                                                   "max_tokens": 1})
+    await _wait_hit(gateway.url, body, "e1", 0)
+
+
+async def test_closed_loop_predicted_hits_equal_the_engines_cached_tokens(engines, gateway):
+    """A shared-prefix workload through cache_aware: every answer's cached_tokens is the predicted hit."""
+    documents = [fresh_ids(60 + d, 5 * BLOCK) for d in range(3)]
+    bodies = [{"model": MODEL, "prompt": documents[i % 3] + fresh_ids(100 + i, 40 + 97 * i % 300), "max_tokens": 2}
+              for i in range(12)]
+    for body in bodies:
+        plan = await post(gateway.url, "/debug/schedule", body)
+        predicted = by_id(plan)[plan["selected"]]["prefix_hit_tokens"]
+        answer = await post(gateway.url, "/v1/completions", body)
+        reported = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        assert reported == predicted, (plan["selected"], predicted, answer["usage"])
+        await asyncio.sleep(0.05)  # the answer's blocks reach the index
+    metrics = await _gateway_metrics(gateway.url)
+    assert metrics.get("kvgate_cached_tokens_disagreement_total", 0.0) == 0.0
+    assert metrics["kvgate_reported_cached_tokens_total"] == metrics["kvgate_predicted_cached_tokens_total"] > 0
+    await assert_nothing_in_flight(gateway)
+
+
+async def test_a_restarted_engine_loses_its_blocks_in_the_index(engines, gateway):
+    engine = engines[0]
+    body = {"model": MODEL, "prompt": fresh_ids(200, 2 * BLOCK + 9), "max_tokens": 1}
+    await post(engine.url, "/v1/completions", body)
+    await _wait_hit(gateway.url, body, "e0", 2 * BLOCK)
+    engine.stop()
+    restarted = VLLMEngine(engine.spec, engine.venv, engine.log_path.parent)
+    engines[0] = restarted
+    restarted.wait_ready()
+    # Its sequence numbers start again at 0: the gateway drops what it held for it.
+    await post(restarted.url, "/v1/completions", {"model": MODEL, "prompt": fresh_ids(201, BLOCK + 3),
+                                                  "max_tokens": 1})
+    await _wait_hit(gateway.url, body, "e0", 0)
+
+
+async def _wait_hit(url: str, body: dict, instance: str, tokens: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        plan = by_id(await post(url, "/debug/schedule", body))
+        if plan[instance]["prefix_hit_tokens"] == tokens:
+            return
+        assert time.monotonic() < deadline, plan[instance]
+        await asyncio.sleep(0.05)
+
+
+async def _gateway_metrics(url: str) -> dict[str, float]:
+    from kvgate.engines.vllm import parse_metric_sums
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        return parse_metric_sums(await response.text())
