@@ -1,4 +1,4 @@
-"""The simulator's kv_events cache view: the gateway routes on each instance's own cache as its KV
+"""`kvgate simulate --kvs-backend kv_events`: the gateway routes on each instance's own cache as its KV
 events report it, late; the same scheduler code runs as with the store's index."""
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ def test_a_block_evicted_then_loaded_again_in_one_step_stays_known():
 
 def test_events_index_equals_the_engines_caches_once_delivered(prefix_trace):
     profile = trace_profile(cache_capacity_blocks=40)
-    replay = Replay(prefix_trace, settings("cache_aware"), 4, profile, store_model="local",
-                    reference=hit_ratio_reference(prefix_trace, 4 * 40), cache_view="kv_events",
-                    kv_events_lag_s=0.2)
+    replay = Replay(prefix_trace, settings("cache_aware", kvs_backend="kv_events"), 4, profile, store_model="local",
+                    reference=hit_ratio_reference(prefix_trace, 4 * 40), kv_events_lag_s=0.2)
     replay.run()
     assert replay.account.total_inflight() == 0
     replay.events.deliver_until(math.inf)
@@ -68,8 +67,8 @@ def test_events_index_equals_the_engines_caches_once_delivered(prefix_trace):
 
 def test_with_a_shared_store_the_events_index_holds_hbm_only(prefix_trace):
     profile = trace_profile(cache_capacity_blocks=80)  # 10 HBM blocks per instance, 70 in its segment
-    replay = Replay(prefix_trace, settings("round_robin"), 4, profile, store_model="shared",
-                    reference=hit_ratio_reference(prefix_trace, 4 * 80), cache_view="kv_events")
+    replay = Replay(prefix_trace, settings("round_robin", kvs_backend="kv_events"), 4, profile, store_model="shared",
+                    reference=hit_ratio_reference(prefix_trace, 4 * 80))
     result = replay.run()
     assert result.summary.transfer_tokens > 0  # engines still load from the pool
     replay.events.deliver_until(math.inf)
@@ -83,14 +82,14 @@ def test_with_a_shared_store_the_events_index_holds_hbm_only(prefix_trace):
 def test_lagging_events_cost_cache_aware_routing_its_hits(prefix_trace):
     profile = trace_profile(cache_capacity_blocks=40)
 
-    def hit_ratio(**view) -> float:
-        return simulate(prefix_trace, settings("cache_aware"), 4, profile, store_model="local",
-                        **view).summary.prefix_hit_ratio
+    def hit_ratio(backend: str = "mooncake", lag_s: float = 0.0) -> float:
+        return simulate(prefix_trace, settings("cache_aware", kvs_backend=backend), 4, profile, store_model="local",
+                        kv_events_lag_s=lag_s).summary.prefix_hit_ratio
 
     store = hit_ratio()
-    fresh = hit_ratio(cache_view="kv_events", kv_events_lag_s=0.0)
+    fresh = hit_ratio("kv_events", 0.0)
     # Requests arrive every 0.25 s: a minute late, the gateway never sees a prefix anywhere.
-    stale = hit_ratio(cache_view="kv_events", kv_events_lag_s=60.0)
+    stale = hit_ratio("kv_events", 60.0)
     blind = simulate(prefix_trace, settings("least_load"), 4, profile, store_model="local").summary
     assert fresh == pytest.approx(store, abs=0.05)
     assert fresh > stale + 0.2
@@ -100,11 +99,50 @@ def test_lagging_events_cost_cache_aware_routing_its_hits(prefix_trace):
 def test_cli_routes_on_kv_events(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(60))
     argv = ["simulate", "--trace", path, "--instances", "2", "--policy", "cache_aware", "--store-model", "local",
-            "--cache-view", "kv_events", "--kv-events-lag-ms", "50"]
+            "--kvs-backend", "kv_events", "--kv-events-lag-ms", "50"]
     assert main([*argv, "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
-    assert body["cache_view"] == "kv_events" and body["kv_events_lag_ms"] == 50 and body["requests"] == 60
+    assert body["kvs_backend"] == "kv_events" and body["kv_events_lag_ms"] == 50 and body["requests"] == 60
     assert main(argv) == 0
     assert "routed on KV events 50 ms late" in capsys.readouterr().out
     assert main([*argv[:-1], "-1"]) == 2
     assert "--kv-events-lag-ms" in capsys.readouterr().err
+
+
+def test_kv_events_backend_reads_engine_prefixes_as_the_gateway_does(prefix_trace):
+    # With a shared store the engines still load other segments' blocks, but a gateway on KV events
+    # asks no store: it sees each instance's own prefix and prices no transfer from another one.
+    profile = trace_profile(cache_capacity_blocks=80)
+
+    def transfers_planned(backend: str) -> tuple[int, list]:
+        replay = Replay(prefix_trace, settings("conductor", kvs_backend=backend), 4, profile, store_model="shared",
+                        reference=hit_ratio_reference(prefix_trace, 4 * 80))
+        calls, decide = [], replay.scheduler.decide
+
+        def recording_decide(n, blocks, locations, candidates, **kwargs):
+            decision = decide(n, blocks, locations, candidates, **kwargs)
+            calls.append((locations, kwargs.get("engine")))
+            replay.planned += decision.predictions[decision.selected].transfer_tokens
+            return decision
+
+        replay.planned = 0
+        replay.scheduler.decide = recording_decide
+        replay.run()
+        return replay.planned, calls
+
+    planned, calls = transfers_planned("kv_events")
+    assert planned == 0
+    assert all(locations is None for locations, _ in calls)
+    assert sum(bool(engine.prefixes) for _, engine in calls) > len(calls) // 5  # 10 HBM blocks: ~1 document
+    planned, calls = transfers_planned("mooncake")
+    assert planned > 0 and all(engine is None for _, engine in calls)
+
+
+def test_cli_kv_events_backend_is_for_neutral_fleets(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(20))
+    assert main(["simulate", "--trace", path, "--kvs-backend", "kv_events", "--prefill-instances", "1",
+                 "--decode-instances", "1"]) == 2
+    assert "--kvs-backend kv_events replays neutral instances only" in capsys.readouterr().err
+    assert main(["simulate", "--trace", path, "--instances", "2", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["kvs_backend"] == "mooncake" and "kv_events_lag_ms" not in body

@@ -6,8 +6,9 @@ compared on an hour of traffic in seconds. `--time-scale` multiplies the trace's
 0.5 replays it twice as fast. Scheduler flags are the `kvgate serve` flags, including the SLO ones
 (`--ttft-slo-s`, `--tbt-slo-s`, `--early-rejection`). `--store-model shared` (default) puts the
 instances' DRAM in one pool any of them loads from; `local` gives each its own cache.
-`--cache-view kv_events` routes on each instance's own HBM cache as its KV events report it,
-`--kv-events-lag-ms` late, instead of on the store's index.
+`--kvs-backend kv_events` routes, as the gateway with that backend does, on each instance's own
+HBM cache as its KV events report it, `--kv-events-lag-ms` late; any other backend (the default
+mooncake) routes on the store model's index.
 
 `--prefill-instances P --decode-instances D` replays over a disaggregated fleet; adding
 `--prfaas-instances N` (with `--prfaas-egress-gbps` and the KV size, `--prfaas-kv-bytes-per-token`
@@ -26,9 +27,9 @@ import orjson
 from tabulate import tabulate
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
-from kvgate.config.settings import Settings
+from kvgate.config.settings import KVSBackendName, Settings
 from kvgate.scheduler.registry import POLICY_NAMES, check_settings
-from kvgate.simulator.profile import CACHE_VIEWS, DEFAULT_CACHE_BLOCKS, HBM_BLOCKS, STORE_MODELS
+from kvgate.simulator.profile import DEFAULT_CACHE_BLOCKS, HBM_BLOCKS, STORE_MODELS
 from kvgate.simulator.replicas import GatewayReplicas, spread_bursts
 
 # Columns of the comparison table: (summary field, header, format).
@@ -106,17 +107,11 @@ def add_parser(subparsers) -> None:
         " (host link for its own, network for others'); local: one free cache per instance, no sharing",
     )
     parser.add_argument(
-        "--cache-view",
-        choices=CACHE_VIEWS,
-        default="store",
-        help="what the gateway's lookups see: store (default), the store model's index; kv_events, each "
-        "instance's own HBM prefix cache as its KV events report it, --kv-events-lag-ms after each step ends",
-    )
-    parser.add_argument(
         "--kv-events-lag-ms",
         type=float,
         default=0.0,
-        help="with --cache-view kv_events: from the end of the engine step that stored or evicted blocks to "
+        help="with --kvs-backend kv_events (the gateway routes on each instance's own HBM cache as its KV "
+        "events report it, not on the store's index): from the end of the engine step that stored or evicted blocks to "
         "the gateway's index applying it (publisher queue, network, subscriber); default 0",
     )
     parser.add_argument(
@@ -172,11 +167,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--kv-events-lag-ms must be >= 0")
         fleets = (args.prfaas_instances, args.prefill_instances, args.decode_instances)
         disaggregated = any(count is not None for count in fleets)
-        if args.cache_view != "store" and disaggregated:
-            raise ValueError("--cache-view kv_events replays neutral instances only (not PD or PrfaaS yet)")
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
         check_settings(base)
+        if base.kvs_backend == KVSBackendName.KV_EVENTS and disaggregated:
+            raise ValueError("--kvs-backend kv_events replays neutral instances only (not PD or PrfaaS yet)")
         requests = _workload(args, read_trace)
         if args.spread_bursts:
             requests = spread_bursts(requests)
@@ -207,7 +202,6 @@ def run(args: argparse.Namespace) -> int:
                     reference=reference,
                     store_model=args.store_model,
                     replicas=replicas,
-                    cache_view=args.cache_view,
                     kv_events_lag_s=args.kv_events_lag_ms / 1000,
                 )
             except ValueError as exc:
@@ -225,8 +219,8 @@ def run(args: argparse.Namespace) -> int:
         "instances": args.num_instances,
         "time_scale": args.time_scale,
         "store_model": args.store_model,
-        "cache_view": args.cache_view,
-        **({"kv_events_lag_ms": args.kv_events_lag_ms} if args.cache_view == "kv_events" else {}),
+        "kvs_backend": str(base.kvs_backend),
+        **({"kv_events_lag_ms": args.kv_events_lag_ms} if base.kvs_backend == KVSBackendName.KV_EVENTS else {}),
         "cache_capacity_blocks": profile.cache_capacity_blocks,
         "ideal_hit_ratio": reference.ideal,
         "fleet_lru_hit_ratio": reference.fleet_lru,

@@ -16,8 +16,6 @@ HBM_BLOCKS = 832
 DEFAULT_CACHE_BLOCKS = 8 * HBM_BLOCKS
 # `kvgate simulate --store-model` (see simulator/replay.py): one shared pool, or a cache per instance.
 STORE_MODELS = ("shared", "local")
-# `kvgate simulate --cache-view`: what the gateway's lookups see, the store's index or the engines' KV events.
-CACHE_VIEWS = ("store", "kv_events")
 
 
 def hbm_blocks(cache_capacity_blocks: int) -> int:

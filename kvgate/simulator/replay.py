@@ -19,12 +19,14 @@ Store models (`--store-model`):
 - local: one cache per instance of the whole capacity, loaded for free, reported as is (no
   instance can use another's blocks).
 
-Cache views (`--cache-view`), what the gateway's lookups see:
-- store: the index the store model reports (the segments with shared, each cache with local),
-  up to date at every step's start.
-- kv_events: each instance's own HBM prefix cache as its KV events report it (blocks computed or
-  loaded into HBM, blocks evicted), one batch per step, visible `kv_events_lag_s` after the step
-  ends (simulator/kv_events_view.py). The store model still decides what engines can load.
+What the gateway's lookups see follows `--kvs-backend`, as in `kvgate serve`:
+- a store (mooncake, the default, or any other store backend): the index the store model reports
+  (the segments with shared, each cache with local), up to date at every step's start.
+- kv_events: no store is asked; each instance's own HBM prefix cache as its KV events report it
+  (blocks computed or loaded into HBM, blocks evicted), one batch per step, visible
+  `kv_events_lag_s` after the step ends (simulator/kv_events_view.py), read as the gateway reads
+  its events index: each instance's own prefix (`EngineHits`), which no other instance can load.
+  The store model still decides what engines can load.
 
 Before dispatch the scheduler's rejection filter runs (`--early-rejection`); a rejected request
 is counted and never reaches an engine. Measured TTFTs (first token minus dispatch) calibrate the
@@ -43,17 +45,18 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from kvgate.config.settings import InstanceConfig, Settings
+from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile, StepOutcome
 from kvgate.engine_model.store import SharedStore, StoreLoad, StoreProfile
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
+from kvgate.scheduler.tiers import EngineHits, EnginePrefix
 from kvgate.scheduler.ttft import TTFTPrediction
 from kvgate.scheduler.types import Candidate, EngineStats
 from kvgate.simulator.kv_events_view import KVEventsView
-from kvgate.simulator.profile import CACHE_VIEWS, STORE_MODELS, hbm_blocks
+from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
 from kvgate.simulator.replicas import GatewayReplicas
 from kvgate.simulator.report import HitRatioReference, SimulationSummary, SLOOutcome, summarise
 from kvgate.simulator.trace import TRACE_BLOCK_TOKENS, TraceRequest, fleet_lru_hit_ratio, ideal_hit_ratio
@@ -107,11 +110,8 @@ class Replay:
         reference: HitRatioReference,
         store_model: str = "shared",
         replicas: GatewayReplicas | None = None,
-        cache_view: str = "store",
         kv_events_lag_s: float = 0.0,
     ) -> None:
-        if cache_view not in CACHE_VIEWS:
-            raise ValueError(f"--cache-view: unknown {cache_view!r}; choose from {', '.join(CACHE_VIEWS)}")
         if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
             raise ValueError(
                 f"the trace's blocks are {TRACE_BLOCK_TOKENS} tokens: the profile's block size and"
@@ -129,8 +129,9 @@ class Replay:
         self._replicas = replicas
         self.account: LoadAccount | GatewayReplicas = replicas or LoadAccount(settings.request_local_account_staleness_s)
         self.index = EmbeddedKVSIndex()
-        # With the kv_events view the index is the gateway's events index, fed by the engines alone.
-        self.events = KVEventsView(self.index, kv_events_lag_s) if cache_view == "kv_events" else None
+        # With kvs_backend kv_events the index is the gateway's events index, fed by the engines alone.
+        routes_on_events = settings.kvs_backend == KVSBackendName.KV_EVENTS
+        self.events = KVEventsView(self.index, kv_events_lag_s) if routes_on_events else None
         self.store = self._shared_store(store_model, profile, settings, len(configs))
         if self.store is not None:
             profile = dataclasses.replace(profile, cache_capacity_blocks=hbm_blocks(profile.cache_capacity_blocks))
@@ -307,13 +308,16 @@ class Replay:
         # Engines cache and publish under the store key names the gateway looks up.
         keys = scheduler.block_keys(blocks)
         locations = [self.index.holders(key) for key in keys] if scheduler.wants_kvs(n) else None
+        engine = None
+        if self.events is not None and locations is not None:
+            engine, locations = self._engine_hits(n, blocks, locations), None
         if self._replicas is not None:
             self._replicas.sync_until(now)  # the account syncs due before this decision
         candidates = [
             Candidate(inst.config.id, inst.config.role, account.load(inst.config.id))
             for inst in self.instances
         ]
-        decision = scheduler.decide(n, blocks, locations, candidates)
+        decision = scheduler.decide(n, blocks, locations, candidates, engine=engine)
         max_tokens = max(1, req.output_length)
         if scheduler.judge(decision, candidates) is not None:
             self.rejected[req.index] = True
@@ -333,6 +337,12 @@ class Replay:
         if not inst.busy:
             inst.busy = True
             self._push(now, _STEP_START, slot)
+
+    def _engine_hits(self, n: int, blocks: list[BlockHash], held: list[tuple[str, ...]]) -> EngineHits:
+        """The events index's answer as the gateway's events view gives it: each instance's own
+        contiguous prefix, all of it in GPU memory (the simulated engines have no CPU tier)."""
+        prefixes = self.scheduler.store_hits(n, blocks, held)
+        return EngineHits({instance_id: EnginePrefix(tokens) for instance_id, tokens in prefixes.items() if tokens})
 
     def _start_step(self, slot: int, now: float) -> None:
         inst = self.instances[slot]
@@ -445,7 +455,6 @@ def simulate(
     reference: HitRatioReference | None = None,
     store_model: str = "shared",
     replicas: GatewayReplicas | None = None,
-    cache_view: str = "store",
     kv_events_lag_s: float = 0.0,
 ) -> SimulationResult:
     """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines,
@@ -460,7 +469,6 @@ def simulate(
         reference=reference or hit_ratio_reference(requests, num_instances * profile.cache_capacity_blocks),
         store_model=store_model,
         replicas=replicas,
-        cache_view=cache_view,
         kv_events_lag_s=kv_events_lag_s,
     )
     return replay.run()
