@@ -22,6 +22,7 @@ from kvgate.config.settings import DebugRoutes, InstanceConfig, Settings
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth import ClientAuth
+from kvgate.gateway.auth_failures import AuthFailureBudget
 from kvgate.gateway.background import every
 from kvgate.gateway.client_timeout import body_timeout_middleware
 from kvgate.gateway.drain import DRAIN, ShutdownDrain
@@ -110,9 +111,12 @@ def build_app(
     window = PromptWindow.from_settings(settings, tokenize_tail_metrics(prometheus))
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit, window,
                            decode_ledger=decode_ledger)
+    auth_failures = AuthFailureBudget(settings.auth_failure_budget, settings.auth_failure_refill_per_s,
+                                      metrics.auth_failures_throttled)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
-                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared)
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), auth_failures, decode_ledger,
+                      shared=shared)
     if scheduler.prfaas is not None:
         gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
     for state in registry.states():
@@ -120,7 +124,7 @@ def build_app(
 
     drain = ShutdownDrain()
     app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=_middlewares(settings, metrics, prometheus, drain))
+                          middlewares=_middlewares(settings, metrics, prometheus, drain, auth_failures))
     app[GATEWAY] = gateway
     app[DRAIN] = drain
     if settings.access_log:
@@ -133,7 +137,7 @@ def build_app(
     if settings.debug_routes is not DebugRoutes.OFF:
         guard = admin.admin_only if settings.debug_routes is DebugRoutes.ADMIN else None
         app.router.add_get("/metrics", guard(_metrics) if guard else _metrics)
-        debug.add_routes(app, guard)
+        debug.add_routes(app, settings.debug_max_concurrent, guard)
     admin.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     if shared is not None:
@@ -142,7 +146,7 @@ def build_app(
 
 
 def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: CollectorRegistry,
-                 drain: ShutdownDrain) -> list:
+                 drain: ShutdownDrain, auth_failures: AuthFailureBudget) -> list:
     """Outermost first: name and count the request, log it, track it for the drain, turn errors
     into OpenAI JSON, check the client's API key, then make sure the body arrives in time."""
     chain = [observe_middleware(metrics)]
@@ -150,7 +154,8 @@ def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: Collec
         chain.append(access_log.access_log_middleware)
     chain += [drain.middleware(), error_middleware]
     if settings.api_keys_file:
-        auth = ClientAuth(load_api_keys(settings.api_keys_file), settings, client_key_metrics(prometheus))
+        auth = ClientAuth(load_api_keys(settings.api_keys_file), settings, client_key_metrics(prometheus),
+                          auth_failures)
         chain.append(auth.middleware())
     chain.append(body_timeout_middleware(settings.client_request_timeout_s))
     return chain
