@@ -177,7 +177,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     checker = HealthChecker(gateway.registry, session, gateway.metrics, settings.health_check_failures_to_eject,
                             timeout_s=min(settings.health_check_interval_s, settings.upstream_connect_timeout_s))
     poller = EngineStatsPoller(gateway.registry, session, gateway.account,
-                               timeout_s=min(settings.stats_poll_interval_s, settings.upstream_connect_timeout_s))
+                               timeout_s=min(settings.stats_poll_interval_s, settings.upstream_connect_timeout_s),
+                               refused=gateway.metrics.engine_values_refused)
 
     async def expire() -> None:
         gateway.tracker.expire()

@@ -29,6 +29,7 @@ from kvgate.config.api_keys import ApiKey
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth_failures import AuthFailureBudget
 from kvgate.gateway.errors import APIError, Handler
+from kvgate.gateway.upstream import url_has_credentials
 from kvgate.metrics.definitions import ClientKeyMetrics
 
 # The name of the key a request was admitted with (for the access log).
@@ -141,6 +142,15 @@ def engine_authorization(settings: Settings) -> Callable[[web.Request], str | No
     if settings.api_keys_file:
         return lambda request: None
     return lambda request: request.headers.get("Authorization")
+
+
+def engine_refusal_is_the_gateways(settings: Settings) -> Callable[[str], bool]:
+    """Whether an engine's 401/403 at an instance URL refuses credentials the gateway chose (its
+    --engine-api-key, the URL's user:password, or none with --api-keys-file): then the instance is
+    misconfigured, a failure to fail over from, not the client's problem to be relayed."""
+    if settings.engine_api_key or settings.api_keys_file:
+        return lambda url: True
+    return url_has_credentials
 
 
 def header_bytes(text: str) -> bytes:
