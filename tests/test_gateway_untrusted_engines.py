@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import random
 import socket
 
 import aiohttp
@@ -381,3 +382,161 @@ async def test_a_whole_answer_waits_on_a_silent_engine_only_as_long_as_the_opera
     finally:
         await handle.close()
         await hung.close()
+
+
+# --- fuzz: random usage numbers, SSE framing and kv_transfer_params shapes (seeded, bounded) ---
+
+FUZZ_CASES = 120
+NUMBERS = [b"0", b"3", b"-1", b"-9223372036854775808", b"9223372036854775807", b"18446744073709551616",
+           b"1e400", b"-0.5", b"2.0", b'"12"', b"null", b"true", b"[]", b"{}"]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        kilobytes = next(line for line in status if line.startswith("VmRSS:")).split()[1]
+    return int(kilobytes) * 1024
+
+
+def fuzzed_usage(rng: random.Random) -> bytes:
+    """A usage object as JSON text, numbers drawn from NUMBERS (some no JSON encoder would write)."""
+    def number() -> bytes:
+        return rng.choice(NUMBERS) if rng.random() < 0.7 else str(rng.randrange(-10**6, 10**6)).encode()
+
+    details = b',"prompt_tokens_details":{"cached_tokens":%s}' % number() if rng.random() < 0.8 else b""
+    return b'{"prompt_tokens":%s,"completion_tokens":%s%s}' % (number(), number(), details)
+
+
+def fuzzed_stream(rng: random.Random, max_event_bytes: int) -> list[bytes]:
+    separator = rng.choice((b"\n\n", b"\r\n\r\n"))
+    events = []
+    for index in range(rng.randrange(0, 6)):
+        roll = rng.random()
+        if roll < 0.6:
+            events.append(chunk(f"t{index}").replace(b"\n\n", separator))
+        elif roll < 0.8:
+            events.append(b'data: {"id":"x","object":"text_completion","choices":[],"usage":'
+                          + fuzzed_usage(rng) + b"}" + separator)
+        elif roll < 0.9:
+            events.append(b": keep-alive" + separator)
+        else:
+            events.append(b"data: " + bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 200))) + separator)
+    ending = rng.random()
+    if ending < 0.6:
+        events.append(b"data: [DONE]" + separator)
+    elif ending < 0.75:
+        events.append(b'data: {"unterminated')
+    elif ending < 0.85:
+        events.append(b"data: " + b"y" * (max_event_bytes + rng.randrange(1, 50000)))
+    data = b"".join(events)
+    pieces, start = [], 0
+    while start < len(data):
+        size = rng.choice((1, 7, 64, 1500, 70000))
+        pieces.append(data[start:start + size])
+        start += size
+    return pieces
+
+
+def fuzzed_answer(rng: random.Random, max_event_bytes: int):
+    roll = rng.random()
+    status = 200 if roll < 0.8 else rng.choice((400, 401, 404, 429, 500, 503))
+    pieces = fuzzed_stream(rng, max_event_bytes)
+    usage = fuzzed_usage(rng)
+
+    async def answer(request: web.Request, body: dict) -> web.StreamResponse:
+        if status != 200:
+            return await whole({"error": {"message": "fuzzed", "type": "x", "param": None, "code": status}},
+                               status=status)
+        if body.get("stream"):
+            return await stream(request, pieces)
+        return await whole(orjson.dumps(completion()).replace(b'"model"', b'"usage":' + usage + b',"model"', 1))
+    return answer
+
+
+def assert_openai_error(status: int, payload: bytes) -> None:
+    error = orjson.loads(payload)["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, (status, payload[:300])
+
+
+async def test_fuzzed_engine_answers_cost_at_most_their_own_request(engine, caplog):
+    rng = random.Random(1124)
+    max_event_bytes = 32 * 1024
+    handle = await start({"e": engine.url}, max_sse_event_bytes=max_event_bytes, access_log=True)
+    rss_before = rss_bytes()
+    try:
+        with caplog.at_level(logging.INFO):
+            async with aiohttp.ClientSession() as session:
+                for n in range(FUZZ_CASES):
+                    engine.answer = fuzzed_answer(rng, max_event_bytes)
+                    streamed = rng.random() < 0.6
+                    async with session.post(handle.url + "/v1/completions", json={
+                            "model": MODEL, "prompt": PROMPT, "stream": streamed}) as response:
+                        status, payload = response.status, await response.read()
+                    assert status != 500, payload[:300]
+                    if status >= 400:
+                        assert_openai_error(status, payload)
+                    elif streamed:
+                        # Whole, or ended by the gateway with an error event: either way [DONE] is last.
+                        assert payload.rstrip().endswith(b"data: [DONE]"), payload[-200:]
+                    if n % 20 == 0:
+                        async with session.get(handle.url + "/livez", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                            assert r.status == 200
+        await assert_nothing_in_flight(handle)
+        process_lines = [r for r in caplog.records if r.name != "kvgate.access"]
+        assert not [r for r in process_lines if r.exc_info or r.levelno >= logging.ERROR]
+        assert len(process_lines) <= FUZZ_CASES  # at most one line per failed request, none per byte
+        assert counter_value(handle, "kvgate_requests_total", route="/v1/completions", status="stream_error") > 0
+        assert counter_value(handle, "kvgate_engine_values_refused_total", field="cached_tokens") > 0
+        assert rss_bytes() - rss_before < 150 * 1024 * 1024
+    finally:
+        await handle.close()
+
+
+def fuzzed_params(rng: random.Random) -> object:
+    def value(depth: int = 0) -> object:
+        roll = rng.random()
+        if roll < 0.3 or depth > 2:
+            return rng.choice((None, True, -1, 0, 5600, 70000, 1.5, "", "x" * rng.randrange(0, 100)))
+        if roll < 0.6:
+            return [value(depth + 1) for _ in range(rng.randrange(0, 5))]
+        return {rng.choice(("remote_port", "remote_block_ids", "remote_host", "k")): value(depth + 1)
+                for _ in range(rng.randrange(0, 4))}
+
+    if rng.random() < 0.3:
+        return GOOD_PARAMS
+    if rng.random() < 0.5:
+        return {**GOOD_PARAMS, rng.choice(("remote_port", "remote_block_ids", "remote_host")): value()}
+    return value()
+
+
+async def test_fuzzed_kv_transfer_params_never_reach_the_decode_unchecked(caplog):
+    rng = random.Random(2026)
+    prefill, decode = await EngineDouble().start(), await EngineDouble().start()
+    # Outlier ejection off: the lone prefill instance stays in, to be fed every shape.
+    handle = await pd_gateway(prefill, decode, outlier_consecutive_failures=0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            outcomes = set()
+            for _ in range(60):
+                params = fuzzed_params(rng)
+                prefill.answer = prefill_answering(params, orjson.Fragment(fuzzed_usage(rng)))
+                seen = len(decode.seen)
+                async with aiohttp.ClientSession() as session, session.post(
+                        handle.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT}) as response:
+                    status, payload = response.status, await response.read()
+                assert status in (200, 502), payload[:300]
+                outcomes.add(status)
+                if status == 502:
+                    assert_openai_error(status, payload)
+                    assert len(decode.seen) == seen
+                else:
+                    sent = decode.seen[-1][1]["kv_transfer_params"]
+                    assert sent == params and isinstance(sent, dict)
+                    port = sent.get("remote_port")
+                    assert port is None or type(port) is int and 1 <= port <= 65535, port
+        assert outcomes == {200, 502}  # the fuzz reached both
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        await assert_nothing_in_flight(handle)
+    finally:
+        await handle.close()
+        await prefill.close()
+        await decode.close()

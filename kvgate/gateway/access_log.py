@@ -119,20 +119,7 @@ def _emit(request: web.Request, timing: _Timing, status: int, outcome: str,
         "prefix_hit_tokens": score.prefix_hit_tokens if score is not None else None,
         "completion_tokens": _completion_tokens(response),
     }
-    log.info("%s", _json_line(entry))
-
-
-def _json_line(entry: dict) -> str:
-    """The entry as JSON. Text from the client (a path with bytes that are not UTF-8, decoded by
-    aiohttp to surrogates) is written with those bytes escaped rather than losing the line."""
-    try:
-        return orjson.dumps(entry).decode()
-    except orjson.JSONEncodeError:
-        return orjson.dumps({k: _printable(v) for k, v in entry.items()}).decode()
-
-
-def _printable(value: object) -> object:
-    return value.encode("utf-8", "backslashreplace").decode() if isinstance(value, str) else value
+    log.info("%s", orjson.dumps(entry).decode())
 
 
 def _completion_tokens(response: web.StreamResponse | None) -> int | None:

@@ -94,9 +94,9 @@ class ClientAuth:
         secret = header_bytes(presented.strip())
         state = self._keys.get(_digest(secret)) if scheme.lower() == "bearer" else None
         if state is None or not hmac.compare_digest(secret, state.secret):
-            self._metrics.unauthorized.inc()
             if secret:
-                self._failures.failed(address, "api_key")
+                self._failures.failed(address, "api_key")  # 429 past the address's budget
+            self._metrics.unauthorized.inc()
             raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return state
