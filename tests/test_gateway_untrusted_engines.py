@@ -28,6 +28,7 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     closed_port_url,
     counter_value,
+    gateway_records,
     gateway_settings,
     tokenizer,
     wait_until,
@@ -110,7 +111,7 @@ async def test_negative_cached_tokens_never_fail_whole_answers_or_streams(engine
         refused = counter_value(handle, "kvgate_engine_values_refused_total", field="cached_tokens")
         assert refused == 4  # the first and third answers, whole and streamed
         assert counter_value(handle, "kvgate_engine_values_refused_total", field="prompt_tokens") == 2
-        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not [r for r in gateway_records(caplog) if r.levelno >= logging.ERROR]
         logged = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"]
         # Whole answers and streams alternate; a negative completion count is not logged as one.
         assert [line["completion_tokens"] for line in logged if line["status"] == 200][::2] == [1, None, 1]
@@ -481,7 +482,7 @@ async def test_fuzzed_engine_answers_cost_at_most_their_own_request(engine, capl
                         async with session.get(handle.url + "/livez", timeout=aiohttp.ClientTimeout(total=5)) as r:
                             assert r.status == 200
         await assert_nothing_in_flight(handle)
-        process_lines = [r for r in caplog.records if r.name != "kvgate.access"]
+        process_lines = [r for r in gateway_records(caplog) if r.name != "kvgate.access"]
         assert not [r for r in process_lines if r.exc_info or r.levelno >= logging.ERROR]
         assert len(process_lines) <= FUZZ_CASES  # at most one line per failed request, none per byte
         assert counter_value(handle, "kvgate_requests_total", route="/v1/completions", status="stream_error") > 0
@@ -534,7 +535,7 @@ async def test_fuzzed_kv_transfer_params_never_reach_the_decode_unchecked(caplog
                     port = sent.get("remote_port")
                     assert port is None or type(port) is int and 1 <= port <= 65535, port
         assert outcomes == {200, 502}  # the fuzz reached both
-        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert not [r for r in gateway_records(caplog) if r.exc_info or r.levelno >= logging.ERROR]
         await assert_nothing_in_flight(handle)
     finally:
         await handle.close()

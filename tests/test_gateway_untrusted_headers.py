@@ -19,6 +19,7 @@ from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import (
     assert_nothing_in_flight,
     counter_value,
+    gateway_records,
     gateway_settings,
     tokenizer,
     wait_until,
@@ -119,7 +120,7 @@ async def test_keys_that_are_not_utf8_are_refused_like_any_wrong_key(upstream, k
                 handle.url, b"GET /admin/instances HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer \xc3\x28\r\n")
             assert status == 403 and openai_error(payload)["type"] == "permission_error"
         assert counter_value(handle, "kvgate_api_key_unauthorized_total") == 1
-        assert not [r for r in caplog.records if r.exc_info]
+        assert not [r for r in gateway_records(caplog) if r.exc_info]
         assert upstream.seen == []
     finally:
         await handle.close()
@@ -167,8 +168,8 @@ async def test_requests_the_parser_refuses_get_json_and_one_log_line(upstream, h
                 assert status == 400 and headers["content-type"].startswith("application/json")
                 assert openai_error(payload)["code"] == "malformed_request"
         assert counter_value(handle, "kvgate_malformed_requests_total", reason=reason) == 20
-        assert not [r for r in caplog.records if r.exc_info]
-        assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+        assert not [r for r in gateway_records(caplog) if r.exc_info]
+        assert len([r for r in gateway_records(caplog) if r.levelno >= logging.WARNING]) == 1
         status, _, _ = await raw_request(handle.url, b"GET /livez HTTP/1.1\r\nHost: gw\r\n")
         assert status == 200
     finally:
@@ -270,7 +271,7 @@ async def test_fuzzed_headers_never_get_a_500_nor_flood_the_log(upstream, keys_f
                     assert status == 200
         assert statuses.get(200) and statuses.get(400) and statuses.get(401)  # the fuzz reached each path
         await assert_nothing_in_flight_keyed(handle)
-        process_lines = [r for r in caplog.records if r.name != "kvgate.access"]
+        process_lines = [r for r in gateway_records(caplog) if r.name != "kvgate.access"]
         assert not [r for r in process_lines if r.exc_info]
         assert len(process_lines) <= 5  # throttled: not one line per malformed request
         assert rss_bytes() - rss_before < 100 * 1024 * 1024
