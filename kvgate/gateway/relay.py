@@ -35,8 +35,6 @@ UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
 _DONE_AT_END = re.compile(rb"(?:^|\n)data: ?\[DONE\]\s*$")
 _TAIL_BYTES = 32
-# Settings.max_sse_event_bytes' default, for callers without settings.
-DEFAULT_MAX_EVENT_BYTES = 16 * 1024 * 1024
 # Set on a request whose stream the engine broke after the first byte: it went out as 200, but
 # the metrics and the outlier detector must count it as the failure it was.
 STREAM_BROKEN = web.RequestKey("stream_broken", str)
@@ -51,8 +49,8 @@ async def relay_answer(
     upstream: UpstreamResponse,
     request_id: str,
     on_first_byte: Callable[[], None],
-    tap: UsageTap | None = None,
-    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    tap: UsageTap | None,
+    max_event_bytes: int,
 ) -> web.StreamResponse:
     """The engine's answer as the client's. `upstream.status` is below 500 (5xx is the caller's)."""
     if upstream.status != 200 or upstream.media_type != "text/event-stream":
@@ -72,8 +70,8 @@ async def relay_stream(
     upstream: UpstreamResponse,
     request_id: str,
     on_first_byte: Callable[[], None],
-    tap: UsageTap | None = None,
-    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+    tap: UsageTap | None,
+    max_event_bytes: int,
 ) -> web.StreamResponse:
     response: web.StreamResponse | None = None
     # Bytes of an event not yet complete. A bytearray grown in place, searched only where new bytes
@@ -97,12 +95,15 @@ async def relay_stream(
             )
             await response.prepare(request)
             request[STREAMING_RESPONSE] = response
-        searched = max(0, len(pending) - 3)  # a separator may straddle the old end and the new bytes
-        pending += chunk
-        cut = _events_end(pending, searched)
-        if cut:
+        if not pending and chunk.endswith(b"\n\n"):  # the usual chunk: whole events, nothing held back
+            complete = chunk
+        else:
+            searched = max(0, len(pending) - 3)  # a separator may straddle the old end and the new bytes
+            pending += chunk
+            cut = _events_end(pending, searched)
             complete = bytes(pending[:cut])
             del pending[:cut]
+        if complete:
             relayed_tail = (relayed_tail + complete[-_TAIL_BYTES:])[-_TAIL_BYTES:]
             events = complete if tap is None else tap.events(complete)
             if events and not await _write(response, events):
