@@ -290,10 +290,11 @@ def _longest_prefix_hit(plan: RoutePlan) -> int:
 
 
 def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
-    """Whether the answer's usage can check the prediction: the store was asked, and the usage is of
-    that one prompt (a batch or n > 1 reports its prompts' or samples' sums). Other requests are
-    relayed untouched and unread."""
-    return plan.kvs_status == "ok" and parsed.batch is None and parsed.body.get("n") in (1, None)
+    """Whether the answer's usage can check the prediction: the store answered (or, with no store,
+    the engines' KV events did), and the usage is of that one prompt (a batch or n > 1 reports its
+    prompts' or samples' sums). Other requests are relayed untouched and unread."""
+    evidence = plan.kvs_status == "ok" or (plan.kvs_status == "skipped" and plan.engine_hits is not None)
+    return evidence and parsed.batch is None and parsed.body.get("n") in (1, None)
 
 
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:

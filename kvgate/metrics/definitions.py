@@ -259,7 +259,7 @@ def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
     return HitMetrics(
         predicted_tokens=Counter(
             "kvgate_predicted_cached_tokens",
-            "Prompt tokens the store held on the instance when the gateway routed to it (its predicted "
+            "Prompt tokens the store or the KV events held on the instance when the gateway routed to it (its predicted "
             "prefix hit), over answers whose engine reported cached tokens.",
             ["instance"], registry=registry,
         ),
