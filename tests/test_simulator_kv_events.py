@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 
@@ -15,7 +16,7 @@ from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
 from kvgate.simulator.trace import read_trace
 from tests.test_simulator import prefix_heavy_rows, settings
-from tests.trace_helpers import write_trace
+from tests.trace_helpers import row, write_trace
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def test_events_index_equals_the_engines_caches_once_delivered(prefix_trace):
     keys = {k for r in prefix_trace for k in replay.scheduler.block_keys(replay.blocks(r))}
     for inst in replay.instances:
         endpoint = inst.config.kvs_endpoints[0]
-        assert {k for k in keys if endpoint in replay.index.holders(k)} == set(inst.engine.cache.keys())
+        assert {k for k in keys if endpoint in replay.events.index.holders(k)} == set(inst.engine.cache.keys())
 
 
 def test_with_a_shared_store_the_events_index_holds_hbm_only(prefix_trace):
@@ -75,7 +76,7 @@ def test_with_a_shared_store_the_events_index_holds_hbm_only(prefix_trace):
     keys = {k for r in prefix_trace for k in replay.scheduler.block_keys(replay.blocks(r))}
     for inst in replay.instances:
         endpoint = inst.config.kvs_endpoints[0]
-        held = {k for k in keys if endpoint in replay.index.holders(k)}
+        held = {k for k in keys if endpoint in replay.events.index.holders(k)}
         assert held == set(inst.engine.cache.keys()) and len(held) <= 10
 
 
@@ -144,7 +145,60 @@ def test_cli_kv_events_backend_is_for_neutral_fleets(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(20))
     assert main(["simulate", "--trace", path, "--kvs-backend", "kv_events", "--prefill-instances", "1",
                  "--decode-instances", "1"]) == 2
-    assert "--kvs-backend kv_events replays neutral instances only" in capsys.readouterr().err
+    assert "replay neutral instances only" in capsys.readouterr().err
     assert main(["simulate", "--trace", path, "--instances", "2", "--json"]) == 0
     body = json.loads(capsys.readouterr().out)
     assert body["kvs_backend"] == "mooncake" and "kv_events_lag_ms" not in body
+
+
+def test_events_beside_the_store_add_each_engine_s_own_prefix_to_the_store_s_view(tmp_path):
+    # Four 32-block documents asked every 40 ms: busy holders make others load them from their
+    # segments into HBM. The pool stores a block once, so the store alone sees those instances hold
+    # nothing of their own (a transfer to price); the events beside it say their engines hold it.
+    pick = random.Random(1)
+    rows = [row(i * 40, [1000 * pick.randrange(4) + b for b in range(32)] + [10**6 + i], output_length=30)
+            for i in range(200)]
+    trace = read_trace(write_trace(tmp_path / "busy.jsonl", rows))
+    profile = trace_profile(cache_capacity_blocks=320)  # 40 HBM blocks per instance
+    replay = Replay(trace, settings("conductor"), 4, profile, store_model="shared",
+                    reference=hit_ratio_reference(trace, 4 * 320), kv_events_lag_s=0.01, engine_events=True)
+    calls, decide = [], replay.scheduler.decide
+
+    def recording_decide(n, blocks, locations, candidates, **kwargs):
+        engine = kwargs.get("engine")
+        calls.append((locations, engine, replay.scheduler.store_hits(n, blocks, locations)))
+        return decide(n, blocks, locations, candidates, **kwargs)
+
+    replay.scheduler.decide = recording_decide
+    result = replay.run()
+    assert replay.account.total_inflight() == 0 and result.summary.transfer_tokens > 0
+    assert len(calls) == 200 and all(locations is not None and engine is not None for locations, engine, _ in calls)
+    engine_longer = sum(
+        any(prefix.tokens > store.get(instance_id, 0) for instance_id, prefix in engine.prefixes.items())
+        for _, engine, store in calls
+    )
+    assert engine_longer > len(calls) // 5
+    # The two indexes stay apart: the store's holds the segments, the events' each engine's HBM.
+    replay.events.deliver_until(math.inf)
+    keys = {k for r in trace for k in replay.scheduler.block_keys(replay.blocks(r))}
+    for slot, inst in enumerate(replay.instances):
+        endpoint = inst.config.kvs_endpoints[0]
+        assert {k for k in keys if endpoint in replay.events.index.holders(k)} == set(inst.engine.cache.keys())
+        assert {k for k in keys if endpoint in replay.index.holders(k)} == {
+            k for k in keys if replay.store.holder(k) == slot}
+
+
+def test_cli_routes_on_kv_events_beside_the_store(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(60))
+    argv = ["simulate", "--trace", path, "--instances", "2", "--policy", "conductor", "--kv-events-beside-store",
+            "--kv-events-lag-ms", "20"]
+    assert main([*argv, "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["cache_view"] == "store+kv_events" and body["kvs_backend"] == "mooncake"
+    assert body["kv_events_lag_ms"] == 20 and body["requests"] == 60
+    assert main(argv) == 0
+    assert "routed on KV events 20 ms late beside the store" in capsys.readouterr().out
+    assert main([*argv, "--kvs-backend", "kv_events"]) == 2
+    assert "--kv-events-beside-store needs a store backend" in capsys.readouterr().err
+    assert main([*argv, "--prefill-instances", "1", "--decode-instances", "1"]) == 2
+    assert "neutral instances only" in capsys.readouterr().err

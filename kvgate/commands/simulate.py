@@ -8,7 +8,8 @@ compared on an hour of traffic in seconds. `--time-scale` multiplies the trace's
 instances' DRAM in one pool any of them loads from; `local` gives each its own cache.
 `--kvs-backend kv_events` routes, as the gateway with that backend does, on each instance's own
 HBM cache as its KV events report it, `--kv-events-lag-ms` late; any other backend (the default
-mooncake) routes on the store model's index.
+mooncake) routes on the store model's index, and with `--kv-events-beside-store` on both (the store
+for the pool, the events for each engine's own prefix, as instances with a `kv_events_endpoint`).
 
 `--prefill-instances P --decode-instances D` replays over a disaggregated fleet; adding
 `--prfaas-instances N` (with `--prfaas-egress-gbps` and the KV size, `--prfaas-kv-bytes-per-token`
@@ -115,6 +116,12 @@ def add_parser(subparsers) -> None:
         "the gateway's index applying it (publisher queue, network, subscriber); default 0",
     )
     parser.add_argument(
+        "--kv-events-beside-store",
+        action="store_true",
+        help="with a store backend: the engines also publish KV events (--kv-events-lag-ms late), as instances "
+        "with a kv_events_endpoint do; an instance's local prefix is the longer of its segment's and its engine's",
+    )
+    parser.add_argument(
         "--oracle",
         action="store_true",
         help="add a greedy_oracle row: each request to the instance where a forward run of that engine's"
@@ -170,8 +177,12 @@ def run(args: argparse.Namespace) -> int:
         profile = trace_profile(args.cache_capacity_blocks)
         base = load_settings(cli_values, config_path=args.config)
         check_settings(base)
-        if base.kvs_backend == KVSBackendName.KV_EVENTS and disaggregated:
-            raise ValueError("--kvs-backend kv_events replays neutral instances only (not PD or PrfaaS yet)")
+        events_alone = base.kvs_backend == KVSBackendName.KV_EVENTS
+        if (events_alone or args.kv_events_beside_store) and disaggregated:
+            raise ValueError("KV events (--kvs-backend kv_events, --kv-events-beside-store) replay neutral "
+                             "instances only (not PD or PrfaaS yet)")
+        if events_alone and args.kv_events_beside_store:
+            raise ValueError("--kv-events-beside-store needs a store backend (--kvs-backend kv_events asks none)")
         requests = _workload(args, read_trace)
         if args.spread_bursts:
             requests = spread_bursts(requests)
@@ -203,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
                     store_model=args.store_model,
                     replicas=replicas,
                     kv_events_lag_s=args.kv_events_lag_ms / 1000,
+                    engine_events=args.kv_events_beside_store,
                 )
             except ValueError as exc:
                 print(f"kvgate simulate: {exc}", file=sys.stderr)
@@ -220,7 +232,9 @@ def run(args: argparse.Namespace) -> int:
         "time_scale": args.time_scale,
         "store_model": args.store_model,
         "kvs_backend": str(base.kvs_backend),
-        **({"kv_events_lag_ms": args.kv_events_lag_ms} if base.kvs_backend == KVSBackendName.KV_EVENTS else {}),
+        "cache_view": _cache_view(base, args.kv_events_beside_store),
+        **({"kv_events_lag_ms": args.kv_events_lag_ms}
+           if base.kvs_backend == KVSBackendName.KV_EVENTS or args.kv_events_beside_store else {}),
         "cache_capacity_blocks": profile.cache_capacity_blocks,
         "ideal_hit_ratio": reference.ideal,
         "fleet_lru_hit_ratio": reference.fleet_lru,
@@ -361,6 +375,16 @@ def _report(header: dict, summaries: list[dict]) -> str:
     )
 
 
+def _cache_view(settings: Settings, beside_store: bool) -> str:
+    """What the simulated gateway routes on: store, kv_events or store+kv_events."""
+    if settings.kvs_backend == KVSBackendName.KV_EVENTS:
+        return "kv_events"
+    return "store+kv_events" if beside_store else "store"
+
+
 def _view_note(header: dict) -> str:
     lag_ms = header.get("kv_events_lag_ms")
-    return "" if lag_ms is None else f", routed on KV events {lag_ms:g} ms late"
+    if lag_ms is None:
+        return ""
+    beside = " beside the store" if header["cache_view"] == "store+kv_events" else ""
+    return f", routed on KV events {lag_ms:g} ms late{beside}"

@@ -27,6 +27,9 @@ What the gateway's lookups see follows `--kvs-backend`, as in `kvgate serve`:
   `kv_events_lag_s` after the step ends (simulator/kv_events_view.py), read as the gateway reads
   its events index: each instance's own prefix (`EngineHits`), which no other instance can load.
   The store model still decides what engines can load.
+- a store with `engine_events` (`--kv-events-beside-store`): both, as a gateway whose instances
+  have a `kv_events_endpoint` beside its store: the store's index for the pool, the events (same
+  lag) for each engine's own HBM prefix; an instance's local prefix is the longer of the two.
 
 Before dispatch the scheduler's rejection filter runs (`--early-rejection`); a rejected request
 is counted and never reaches an engine. Measured TTFTs (first token minus dispatch) calibrate the
@@ -111,6 +114,7 @@ class Replay:
         store_model: str = "shared",
         replicas: GatewayReplicas | None = None,
         kv_events_lag_s: float = 0.0,
+        engine_events: bool = False,
     ) -> None:
         if profile.block_size != TRACE_BLOCK_TOKENS or settings.kvs_chunk_size != TRACE_BLOCK_TOKENS:
             raise ValueError(
@@ -128,10 +132,12 @@ class Replay:
         # One gateway, or several replicas each with its own account (simulator/replicas.py).
         self._replicas = replicas
         self.account: LoadAccount | GatewayReplicas = replicas or LoadAccount(settings.request_local_account_staleness_s)
-        self.index = EmbeddedKVSIndex()
-        # With kvs_backend kv_events the index is the gateway's events index, fed by the engines alone.
-        routes_on_events = settings.kvs_backend == KVSBackendName.KV_EVENTS
-        self.events = KVEventsView(self.index, kv_events_lag_s) if routes_on_events else None
+        # The store's index (the segments, or each cache with the local model), unless the gateway
+        # asks no store (kvs_backend kv_events); the engines' events feed an index of their own.
+        events_alone = settings.kvs_backend == KVSBackendName.KV_EVENTS
+        self.index: EmbeddedKVSIndex | None = None if events_alone else EmbeddedKVSIndex()
+        self.events = (KVEventsView(EmbeddedKVSIndex(), kv_events_lag_s) if events_alone or engine_events
+                       else None)
         self.store = self._shared_store(store_model, profile, settings, len(configs))
         if self.store is not None:
             profile = dataclasses.replace(profile, cache_capacity_blocks=hbm_blocks(profile.cache_capacity_blocks))
@@ -173,31 +179,21 @@ class Replay:
         index = self.index
         store = self.store
         endpoint = config.kvs_endpoints[0]
-        if self.events is not None:
-            record = self.events.recorder(endpoint)
-            if store is None:
-                return record
+        record = self.events.recorder(endpoint) if self.events is not None else None
 
-            def on_computed_and_evented(added: list[str], evicted_from_hbm: list[str]) -> None:
-                store.store(slot, added)  # the segments still fill; only the gateway stops reading them
-                record(added, evicted_from_hbm)
-
-            return on_computed_and_evented
-        if store is None:
-
-            def on_cache_change(added: list[str], evicted: list[str]) -> None:
+        def on_cache_change(added: list[str], evicted: list[str]) -> None:
+            if store is not None:
+                # HBM evictions stay in the store; what was computed goes to this instance's segment.
+                self._index_segment(endpoint, *store.store(slot, added))
+            elif index is not None:  # the local model: the store's index is each cache itself
                 if evicted:
                     index.remove(evicted, endpoint)
                 if added:
                     index.add(added, endpoint)
+            if record is not None:
+                record(added, evicted)
 
-            return on_cache_change
-
-        def on_computed(added: list[str], evicted_from_hbm: list[str]) -> None:
-            # HBM evictions stay in the store; what was computed goes to this instance's segment.
-            self._index_segment(endpoint, *store.store(slot, added))
-
-        return on_computed
+        return on_cache_change
 
     def _store_writer(self, slot: int, config: InstanceConfig) -> Callable[[tuple[str, ...]], None] | None:
         store = self.store
@@ -208,8 +204,8 @@ class Replay:
         return lambda keys: self._index_segment(endpoint, *store.restore(slot, keys))
 
     def _index_segment(self, endpoint: str, stored: list[str], dropped: list[str]) -> None:
-        if self.events is not None:
-            return  # the gateway reads the engines' events, not the store's index
+        if self.index is None:
+            return  # the gateway reads the engines' events alone, no store index
         if dropped:
             self.index.remove(dropped, endpoint)
         if stored:
@@ -307,10 +303,12 @@ class Replay:
         blocks = self.blocks(req)
         # Engines cache and publish under the store key names the gateway looks up.
         keys = scheduler.block_keys(blocks)
-        locations = [self.index.holders(key) for key in keys] if scheduler.wants_kvs(n) else None
-        engine = None
-        if self.events is not None and locations is not None:
-            engine, locations = self._engine_hits(n, blocks, locations), None
+        locations = engine = None
+        if scheduler.wants_kvs(n):
+            if self.index is not None:
+                locations = [self.index.holders(key) for key in keys]
+            if self.events is not None:
+                engine = self._engine_hits(n, blocks, [self.events.index.holders(key) for key in keys])
         if self._replicas is not None:
             self._replicas.sync_until(now)  # the account syncs due before this decision
         candidates = [
@@ -456,6 +454,7 @@ def simulate(
     store_model: str = "shared",
     replicas: GatewayReplicas | None = None,
     kv_events_lag_s: float = 0.0,
+    engine_events: bool = False,
 ) -> SimulationResult:
     """Replay `requests` with `settings.effective_policy` over `num_instances` simulated engines,
     through one gateway or through `replicas`."""
@@ -470,5 +469,6 @@ def simulate(
         store_model=store_model,
         replicas=replicas,
         kv_events_lag_s=kv_events_lag_s,
+        engine_events=engine_events,
     )
     return replay.run()
