@@ -102,6 +102,23 @@ def test_cost_model_terms(memory, queued, threshold, expected):
     assert b.predicted_ttft_s == pytest.approx(b.queue_s + b.prefill_s + b.transfer_s)
 
 
+def test_a_decode_batch_slows_every_prefill_step_it_shares():
+    # Each chunked-prefill step also carries one token of every running decode (1 ms a sequence
+    # here, context free): b decodes 50 requests, 50 ms more on each 100-token step, queued or its
+    # own. Its segment's first block saves it the 0.1 s a pays to load that block over the network,
+    # less than the 0.3 s its decodes add: a wins (blind to the decodes, the model chose b).
+    settings = Settings(**PROFILE, decode_step_s=(0.01, 0.001, 0.0), prefill_chunk_tokens=100)
+    scheduler = Scheduler(settings, instances("a", "b"))
+    decoding = candidate("b", queued_tokens=300, requests=52, waiting=2)  # 2 of them await a first token
+    held = [(endpoint(1),)] + [()] * 3
+    decision = scheduler.decide(400, blocks(4), held, [candidate("a", queued_tokens=300), decoding])
+    a, b = decision.predictions["a"], decision.predictions["b"]
+    assert (a.queue_s, a.prefill_s, a.transfer_s) == pytest.approx((0.3, 0.3, 0.1))
+    assert b.local_hit_tokens == 100 and b.transfer_s == 0
+    assert (b.queue_s, b.prefill_s) == pytest.approx((0.3 + 3 * 0.05, 0.3 + 3 * 0.05))
+    assert decision.selected == "a"
+
+
 def test_disk_tier_changes_routing_only_when_asked_for():
     # Block 0-2 on shared disk only; a has a long queue, b is idle but further from nothing.
     memory, disk = [()] * 3, [("*",)] * 3

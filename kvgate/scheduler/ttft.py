@@ -124,7 +124,8 @@ class TTFTModel:
             prefix -= excess
             cut = min(excess, network)
             network, disk = network - cut, max(0, disk - (excess - cut))
-        prefill = profile.prefill.chunk_s(prefix, num_prompt_tokens - prefix)
+        computed = num_prompt_tokens - prefix
+        prefill = profile.prefill.chunk_s(prefix, computed) + self.decode_share_s(candidate, computed)
         host, own_disk = hits.own_tier_tokens(instance_id)
         disk += own_disk
         transfer = (
@@ -149,7 +150,21 @@ class TTFTModel:
         queued_tokens = candidate.load.all_prefills_tokens_num
         if queued_tokens <= 0:
             return 0.0
-        return queued_tokens * self.profile.prefill.per_token_s(self.mean_prompt_tokens)
+        return (queued_tokens * self.profile.prefill.per_token_s(self.mean_prompt_tokens)
+                + self.decode_share_s(candidate, queued_tokens))
+
+    def decode_share_s(self, candidate: Candidate, prefill_tokens: int) -> float:
+        """What the instance's decode batch adds to the steps that prefill `prefill_tokens`: every
+        step of a chunked prefill also carries one token of each running decode (the curve is
+        measured on an idle engine)."""
+        load = candidate.load
+        decoding = load.num_requests - load.num_waiting_requests
+        if decoding <= 0 or prefill_tokens <= 0:
+            return 0.0
+        profile = self.profile
+        context = self.mean_prompt_tokens + self.mean_output_tokens / 2
+        per_step = profile.decode_step_s(decoding, context) - profile.decode_base_s
+        return per_step * prefill_tokens / profile.prefill_chunk_tokens
 
     # --- what happened ---
 
