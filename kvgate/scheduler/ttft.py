@@ -10,6 +10,8 @@
   Work done since dispatch leaves the account at each first token (a request at a time): the
   engines compute several prefills at once (chunked prefill), so subtracting the time elapsed
   since the last first token overstated progress and measured worse in simulation.
+- Both compute terms include the instance's decode batch: every chunked-prefill step also carries
+  one token of each running decode (the curve is an idle engine's), priced from --decode-step-s.
 - Which prefix: Conductor's rule. The pool's longer prefix is loaded only when it is
   `kvcache_balancing_threshold` times the local one or more; otherwise the rest is computed.
 
