@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvgate.cli import main
 from kvgate.config.settings import InstanceRole
 from kvgate.simulator.pd_replay import PDReplay
@@ -55,3 +57,11 @@ def test_cli_compares_pd_with_as_many_neutral_instances(tmp_path, capsys):
         assert fleet["p50_tbt_ms"] <= fleet["p90_tbt_ms"] <= fleet["p99_tbt_ms"]
     assert main(["simulate", "--trace", str(path), "--prefill-instances", "2"]) == 2
     assert "go together" in capsys.readouterr().err
+
+
+def test_a_disaggregated_replay_refuses_the_kv_events_backend(tmp_path):
+    # No PD replay routes on KV events yet: a clear error, not a replay that asks a store it lacks.
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", prefix_heavy_rows(10)))
+    with pytest.raises(ValueError, match="neutral instances only"):
+        PDReplay(trace, settings("cache_aware", kvs_backend="kv_events"), 1, 1, trace_profile(cache_capacity_blocks=40),
+                 kv_transfer_tokens_per_s=RATE)

@@ -60,6 +60,8 @@ class PDReplay(Replay):
         for slot, inst in enumerate(self.instances):
             role = InstanceRole.PREFILL if slot < num_prefill else InstanceRole.DECODE
             inst.config = inst.config.model_copy(update={"role": role})
+        if self.index is None:
+            raise ValueError("--kvs-backend kv_events replays neutral instances only (not PD or PrfaaS yet)")
         self.scheduler.set_instances([inst.config for inst in self.instances])
         self._transfer_rate = kv_transfer_tokens_per_s
         self.ledger = DecodeLedger()
