@@ -240,9 +240,11 @@ async def test_doctor_names_a_hashing_mismatch(engines, tokenizer_service, overr
 async def test_doctor_names_a_tokenizer_or_template_mismatch(engines, model_dir, tmp_path):
     other = tmp_path / "tokenizer"
     other.mkdir()
-    shutil.copy(model_dir / "tokenizer.json", other / "tokenizer.json")
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    (other / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    # Another tokenizer: one that lowercases (the probe text has capitals), with another chat template.
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Lowercase"}
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(model_dir / "tokenizer_config.json", other / "tokenizer_config.json")
     (other / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                                                "{% endfor %}")
     failed = {r.check: r for r in (await _doctor(engines, TokenizerService(load_tokenizer(str(other))))).values()
