@@ -29,7 +29,8 @@ from kvgate.engines.install import EngineVenv
 from kvgate.processes import LOOPBACK, LocalProcess, free_port
 
 EngineRole = Literal["neutral", "prefill", "decode"]
-START_TIMEOUT_S = 240.0
+# About 70-95 s on an idle core (most of it torch.compile's warm-up); a busy machine can triple it.
+START_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
