@@ -272,3 +272,19 @@ async def test_bad_pods_and_taken_ids_are_left_out(api, engines, tmp_path):
         await wait_until(lambda: set(fleet(handle)) == {"b", "c"})
     finally:
         await handle.close()
+
+
+async def test_missing_credentials_keep_the_static_fleet(engines, tmp_path, caplog):
+    static_a = engines["a"].url
+    with caplog.at_level(logging.WARNING, logger="kvgate.discovery.kubernetes"):
+        handle = await start_gateway(gateway_settings(
+            {"a": static_a}, MODEL, discovery="kubernetes", discovery_kubeconfig=str(tmp_path / "absent"),
+            discovery_label_selector="app=engine", discovery_backoff_max_s=0.05), tokenizer=tokenizer())
+        try:
+            await wait_until(lambda: metric(handle, "kvgate_discovery_errors_total", source="kubernetes",
+                                            reason="config") >= 2)
+            assert "no usable Kubernetes credentials" in caplog.text
+            assert fleet(handle) == {"a": static_a}
+            assert await answered_by(handle.url, 2) == {"a"}
+        finally:
+            await handle.close()

@@ -41,7 +41,7 @@ _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount
 _BACKOFF_FIRST_S = 0.5
 # Client-side bound on a list or a GET, and on a silent watch beyond its server-side timeout.
 _REQUEST_TIMEOUT_S = 30.0
-_FAILURES = (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError)
+_FAILURES = (ApiException, ConfigException, aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError)
 
 Target = tuple[str, tuple[int, ...] | None]  # label selector, InferencePool target ports (None: no pool)
 
@@ -194,6 +194,8 @@ class KubernetesSource:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ConfigException | FileNotFoundError):
+        return f"no usable Kubernetes credentials ({exc})"
     if isinstance(exc, ApiException):
         return f"the API server answered {exc.status} {exc.reason}"
     if isinstance(exc, asyncio.TimeoutError):
