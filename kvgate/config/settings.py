@@ -63,6 +63,14 @@ class InstanceRole(StrEnum):
     DECODE = "decode"
 
 
+class DiscoveryName(StrEnum):
+    """Where the fleet comes from (docs/DISCOVERY.md)."""
+
+    STATIC = "static"  # the `instances` list alone
+    FILE = "file"  # an instance list file, re-read when it changes
+    KUBERNETES = "kubernetes"  # the ready pods of a label selector or an InferencePool
+
+
 class PrfaasBandwidthMode(StrEnum):
     """How a request's cached prefixes in the two clusters are weighed (Prefill-as-a-Service)."""
 
@@ -455,6 +463,37 @@ class Settings(BaseModel):
         1.25, gt=1, description="Each threshold change multiplies or divides by this."
     )
 
+    # --- fleet discovery: instances added and removed as a file or Kubernetes says (docs/DISCOVERY.md) ---
+    discovery: DiscoveryName = Field(
+        DiscoveryName.STATIC, description="static | file | kubernetes: where instances beyond `instances` come from."
+    )
+    discovery_file: str = Field("", description="--discovery file: YAML or JSON list of instances, re-read on change.")
+    discovery_file_poll_interval_s: float = Field(
+        1.0, gt=0, description="How often the discovery file's modification time and inode are checked."
+    )
+    discovery_namespace: str = Field(
+        "", description="Namespace whose pods are watched; empty: the gateway pod's own (else 'default')."
+    )
+    discovery_label_selector: str = Field("", description="Pods to watch, e.g. 'app=vllm,tier!=canary'.")
+    discovery_inference_pool: str = Field(
+        "", description="InferencePool (inference.networking.k8s.io/v1) whose selector and target ports name the pods."
+    )
+    discovery_port: int = Field(
+        8000, ge=1, le=65535, description="Engine port on the pods with --discovery-label-selector (annotation "
+        "kvgate.io/port overrides it per pod).",
+    )
+    discovery_model: str = Field("", description="Model of pods without a kvgate.io/model label or annotation.")
+    discovery_kubeconfig: str = Field(
+        "", description="kubeconfig file; empty: the in-cluster service account, else the default kubeconfig."
+    )
+    discovery_kube_context: str = Field("", description="kubeconfig context; empty: its current context.")
+    discovery_watch_timeout_s: int = Field(
+        60, ge=1, description="Each pod watch ends after this long; the InferencePool is re-read before the next.",
+    )
+    discovery_backoff_max_s: float = Field(
+        30.0, gt=0, description="Longest wait between retries while the Kubernetes API server fails.",
+    )
+
     instances: tuple[InstanceConfig, ...] = ()
 
     @field_validator("prfaas_kv_size_mib", mode="before")
@@ -593,6 +632,16 @@ class Settings(BaseModel):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
         if duplicated:
             raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        return self
+
+    @model_validator(mode="after")
+    def _discovery_source_named(self) -> Settings:
+        if self.discovery == DiscoveryName.FILE and not self.discovery_file:
+            raise ValueError("discovery file needs discovery_file")
+        if self.discovery == DiscoveryName.KUBERNETES and (
+            bool(self.discovery_label_selector) == bool(self.discovery_inference_pool)
+        ):
+            raise ValueError("discovery kubernetes needs one of discovery_label_selector or discovery_inference_pool")
         return self
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, InstanceConfig, KVSBackendName, Settings
+from kvgate.discovery import start_discovery
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth import ClientAuth
@@ -29,6 +30,7 @@ from kvgate.gateway.drain import DRAIN, ShutdownDrain
 from kvgate.gateway.engine_context import EngineContextProbe
 from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError, error_middleware
+from kvgate.gateway.fleet import GatewayFleet
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.health import HealthChecker
 from kvgate.gateway.hit_accounting import HitAccounting
@@ -229,6 +231,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                                max_row_bytes=settings.account_sync_max_row_bytes)
             jobs.append((settings.account_sync_interval_s, sync.sync_once, "account sync"))
     tasks = [asyncio.create_task(every(interval, job, name), name=name) for interval, job, name in jobs]
+    if gateway.shared is None or gateway.shared.leader:  # one follower of the fleet per gateway
+        discovery = start_discovery(settings, GatewayFleet(gateway), gateway.prometheus)
+        tasks += [discovery] if discovery is not None else []
     if gateway.events is not None and gateway.shared is None:  # workers share their supervisor's subscriber
         registry = gateway.registry
         subscriber = EventsSubscriber(
