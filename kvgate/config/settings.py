@@ -252,6 +252,10 @@ class Settings(BaseModel):
     health_check_failures_to_eject: int = Field(2, ge=1)
     stats_poll_interval_s: float = Field(1.0, gt=0)
     admin_token: str = Field("", description="Bearer token for /admin routes; empty disables them.")
+    epp_http_port: int = Field(
+        9090, ge=0, le=65535, description="`kvgate epp` (flag --http-port too): port of its HTTP side (metrics, "
+        "health, /debug/schedule, admin) beside the gRPC port --port; 0 picks a free one.",
+    )
     forward_token_ids: bool = Field(False, description="Send the prompt to engines as token ids.")
 
     # --- TTFT model, conductor policy and early rejection (docs/SCHEDULING.md) ---
