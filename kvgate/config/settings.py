@@ -122,6 +122,24 @@ class InstanceConfig(BaseModel):
     # --- the engine's KV events (docs/KV_EVENTS.md): kvgate connects a SUB socket here ---
     kv_events_endpoint: str = Field("", description="The engine's KV events PUB socket, tcp://HOST:PORT; empty: none.")
     kv_events_replay_endpoint: str = Field("", description="The engine's replay ROUTER socket, tcp://HOST:PORT.")
+    # LoRA adapters the engine serves, name -> the path it loaded it from (vLLM --lora-modules
+    # NAME=PATH; its /v1/models lists it as "root"). A request naming NAME as its model goes to such
+    # an instance, and its block keys mix in the adapter as the engine's do (docs/ENGINES.md).
+    lora_adapters: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapters(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not name or not path:
+                raise ValueError("each LoRA adapter needs a name and the path the engine loaded it from")
+        return value
+
+    def serves(self, model: str) -> bool:
+        return model == self.model or model in self.lora_adapters
+
+    def __hash__(self) -> int:  # frozen, with a dict field: hash what identifies the instance
+        return hash((self.id, self.url, self.model))
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
@@ -636,6 +654,7 @@ class Settings(BaseModel):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
         if duplicated:
             raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        instance_rules.check_lora_adapters(self.instances)
         return self
 
     @model_validator(mode="after")

@@ -54,6 +54,8 @@ class VLLMEngineSpec:
     nixl_side_channel_port: int = field(default_factory=free_port)
     # vLLM's development routes, among them POST /reset_prefix_cache (the demo empties caches between runs).
     dev_mode: bool = False
+    # LoRA adapters served beside the model, name -> directory (vLLM --enable-lora --lora-modules).
+    lora_adapters: dict[str, Path] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -92,6 +94,8 @@ class VLLMEngineSpec:
                 "topic": "kv-events",
             }
             argv += ["--kv-events-config", json.dumps(events)]
+        if self.lora_adapters:
+            argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in self.lora_adapters.items())]
         if self.role != "neutral":
             transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             argv += ["--kv-transfer-config", json.dumps(transfer)]

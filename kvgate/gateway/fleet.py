@@ -1,7 +1,8 @@
 """Adding and removing instances at run time: the one code path the admin routes and discovery share.
 
 An instance added at run time passes the rules an instance can break on its own (URL inside
---instance-networks, a role the PD protocol can serve, bootstrap fields only on prefill instances);
+--instance-networks, a role the PD protocol can serve, bootstrap fields only on prefill instances,
+LoRA adapters consistent with the fleet's);
 a fleet is completed one add at a time, so a prefill instance may come before its decode instances.
 A removed instance takes no new request; requests already sent to it finish normally and their
 account entries still release.
@@ -9,7 +10,7 @@ account entries still release.
 
 from __future__ import annotations
 
-from kvgate.config.instance_rules import check_url_in_networks, parse_networks
+from kvgate.config.instance_rules import check_lora_adapters, check_url_in_networks, parse_networks
 from kvgate.config.pd import check_bootstrap_fields, check_pd_serving
 from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.registry import InstanceState
@@ -37,6 +38,10 @@ def add_instance(gateway: Gateway, config: InstanceConfig) -> InstanceState:
         check_bootstrap_fields(config)
     except ValueError as exc:
         raise InstanceRefused(f"invalid instance 'role': {exc}", "role") from None
+    try:
+        check_lora_adapters([*gateway.registry.configs(), config])
+    except ValueError as exc:
+        raise InstanceRefused(f"invalid instance 'lora_adapters': {exc}", "lora_adapters") from None
     state = gateway.registry.add(config)
     gateway.metrics.instance_healthy.labels(state.id).set(1)
     return state

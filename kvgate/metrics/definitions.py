@@ -426,7 +426,7 @@ class KVEventsLookupMetrics:
     """Written on the request path, by every worker."""
 
     lookups: Counter  # outcome: hit | miss | busy
-    unmatched: Counter  # reason: cache_salt
+    unmatched: Counter  # reason: lora | cache_salt
 
 
 def kv_events_lookup_metrics(registry: CollectorRegistry) -> KVEventsLookupMetrics:
@@ -436,7 +436,7 @@ def kv_events_lookup_metrics(registry: CollectorRegistry) -> KVEventsLookupMetri
                         ["outcome"], registry=registry),
         unmatched=Counter("kvgate_kv_events_unmatched_requests",
                           "Requests routed without the events index because the engine hashes them with keys "
-                          "kvgate cannot compute, by reason (cache_salt).", ["reason"], registry=registry),
+                          "kvgate cannot compute with its kvs_hash_algo, by reason (lora, cache_salt).", ["reason"], registry=registry),
     )
 
 

@@ -1,7 +1,7 @@
 """kvgate's keys and its events index against the KV events of two real vLLM engines.
 
-e0 publishes int block hashes (vLLM's default), e1 the 32-byte digests
-(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Both have a 24-block KV cache, so a test can evict.
+e0 publishes int block hashes (vLLM's default) and serves a LoRA adapter, e1 publishes the 32-byte
+digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Both have a 24-block KV cache, so a test can evict.
 The last test restarts e0.
 """
 
@@ -24,6 +24,7 @@ from kvgate.commands.doctor import diagnose
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TOOLS
 from kvgate.doctor.results import CheckResult
+from kvgate.engines.model import TINY_LORA_NAME, tiny_lora_dir
 from kvgate.engines.vllm import VLLMEngine
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
@@ -38,7 +39,8 @@ BLOCK = 256
 
 @pytest.fixture(scope="module")
 def engines(engine_venv, model_dir, tmp_path_factory):
-    specs = [{"kv_events_int_hashes": True}, {"kv_events_int_hashes": False}]
+    specs = [{"kv_events_int_hashes": True, "lora_adapters": {TINY_LORA_NAME: tiny_lora_dir(model_dir)}},
+             {"kv_events_int_hashes": False}]
     with module_fleet(engine_venv, model_dir, tmp_path_factory.mktemp("vllm-events"), specs) as fleet:
         yield fleet
 
@@ -53,7 +55,8 @@ def settings_for(engines, **overrides) -> Settings:
         "stats_poll_interval_s": 60.0,
         "instances": [
             InstanceConfig(id=f"e{i}", url=e.url, model=MODEL, kv_events_endpoint=e.spec.kv_events_endpoint,
-                           kv_events_replay_endpoint=e.spec.kv_events_replay_endpoint)
+                           kv_events_replay_endpoint=e.spec.kv_events_replay_endpoint,
+                           lora_adapters={name: str(path) for name, path in e.spec.lora_adapters.items()})
             for i, e in enumerate(engines)
         ],
     }
@@ -162,6 +165,36 @@ async def test_block_keys_equal_the_engines_block_hashes(engines, gateway, index
             assert [key_of(h) for h in stored[: len(ours)]] == ours
     finally:
         tap.close()
+
+
+async def test_a_lora_adapters_keys_and_hits_equal_the_engines(engines, gateway):
+    """vLLM mixes ("lora", name, path) into every block's hash, and a cache salt into the first: the
+    gateway's keys for such requests are the engine's, and its predicted hits the engine's cached tokens."""
+    engine = engines[0]
+    prompt = fresh_ids(300, 3 * BLOCK + 11)
+    bodies = [{"model": TINY_LORA_NAME, "prompt": prompt, "max_tokens": 1},
+              {"model": TINY_LORA_NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"},
+              {"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}]
+    tap = EventTap(engine)
+    try:
+        await tap.settle()
+        for body in bodies:
+            plan = await post(gateway.url, "/debug/schedule", body)
+            ours = engine_keys(plan)
+            assert [entry["id"] for entry in plan["instances"]] == (["e0"] if body["model"] != MODEL else ["e0", "e1"])
+            await post(engine.url, "/v1/completions", body)
+            stored = await tap.stored_until(ours)
+            assert [key_of(h) for h in stored[: len(ours)]] == ours, body
+    finally:
+        tap.close()
+    # Through the gateway: each request finds exactly what the engine reports cached, and no other's blocks.
+    for body in [*bodies, {"model": TINY_LORA_NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-b"}]:
+        plan = by_id(await post(gateway.url, "/debug/schedule", body))
+        answer = await post(gateway.url, "/v1/completions", body)
+        reported = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        assert reported == plan["e0"]["prefix_hit_tokens"], (body, answer["usage"])
+        assert reported == (0 if body.get("cache_salt") == "tenant-b" else 3 * BLOCK), body
+    await assert_nothing_in_flight(gateway)
 
 
 async def test_a_served_prompt_shows_as_a_hit_on_its_engine_only(engines, gateway):
