@@ -76,7 +76,7 @@ class DashboardFleet:
     cache_aware: list[GatewayHandle]
     pd: GatewayHandle
     engines: list[MockEngineHandle]
-    dead_instance: str = "engine-dead"
+    dead_instance: str = "a-dead"
 
     @property
     def gateways(self) -> list[GatewayHandle]:
@@ -89,12 +89,15 @@ def _cache_aware_settings(spec: FleetSpec, engines: list[MockEngineHandle], even
     instances = [i.model_copy(update={
         "kv_events_endpoint": events.endpoint(n), "kv_events_replay_endpoint": events.replay_endpoint(n)})
         for n, i in enumerate(settings.instances)]
-    # First in configuration order: ties pick it, so requests meet it, retry and eject it.
-    dead = InstanceConfig(id="engine-dead", url=f"http://127.0.0.1:{free_port()}", model=MODEL,
+    # First in id order: ties pick it, so requests meet it, retry and eject it.
+    dead = InstanceConfig(id="a-dead", url=f"http://127.0.0.1:{free_port()}", model=MODEL,
                           kvs_endpoints=("127.0.0.99",), kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}")
     return settings.model_copy(update={
         "instances": (dead, *instances), "cache_aware_scheduling_min_tokens": 256,
-        "health_check_interval_s": 1.0, "stats_poll_interval_s": 1.0, "outlier_consecutive_failures": 2,
+        # Health checks alone never eject (the dead instance stays in until requests meet it): the
+        # outlier detector does, after two failed requests, so retries and the ejection are seen.
+        "health_check_interval_s": 1.0, "health_check_failures_to_eject": 1000,
+        "stats_poll_interval_s": 1.0, "outlier_consecutive_failures": 2,
         "api_keys_file": keys_file, "debug_routes": "public", "auth_failure_budget": 1,
         "account_sync": account_sync,
     })
@@ -142,7 +145,8 @@ def _prompt(conversation: int, turn: int, length: int) -> list[int]:
 
 
 async def exercise(fleet: DashboardFleet, round_number: int) -> None:
-    """One round of traffic: conversations on the cache-aware gateways (whole and streamed), a wrong
+    """One round of traffic: conversations on the cache-aware gateways (whole and streamed), a new
+    one (the dead instance's retries and ejection), a wrong
     key twice (401, then 429 from the failed-authentication budget), a prefix-cache reset on one
     engine (a KV events reset), and short and long prompts through the PD gateway (local and remote
     prefill)."""
@@ -159,9 +163,13 @@ async def exercise(fleet: DashboardFleet, round_number: int) -> None:
             body = {"model": MODEL, "prompt": _prompt(conversation, round_number % 6, 600 + 200 * conversation),
                     "max_tokens": 8, "stream": conversation % 2 == 0}
             calls.append(post(gateway.url, body))
-        for length in (300, 3000):
+        # A new conversation: nothing cached anywhere, so the tie goes to the dead instance until it is out.
+        calls.append(post(fleet.cache_aware[0].url, {"model": MODEL, "prompt": _prompt(100 + round_number, 0, 600),
+                                                     "max_tokens": 8}))
+        # A short prompt the local prefill engine caches, and a new long one (remote prefill).
+        for conversation, length in ((10, 300), (20 + round_number, 3000)):
             calls.append(post(fleet.pd.url, {"model": MODEL, "max_tokens": 4,
-                                             "prompt": _prompt(10 + round_number % 3, 0, length)}, auth=None))
+                                             "prompt": _prompt(conversation, 0, length)}, auth=None))
         await asyncio.gather(*calls)
         # From an address of its own: a throttled address is refused whatever key it sends.
         guesser = aiohttp.TCPConnector(local_addr=(_GUESSER_ADDRESS, 0))
