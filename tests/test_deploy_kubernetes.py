@@ -16,6 +16,7 @@ import yaml
 from kvgate.cli import COMMANDS, build_parser, main
 from kvgate.config.loader import load_settings
 from kvgate.config.settings import Settings
+from kvgate.scheduler.registry import check_settings
 from tests.test_compose import _offline, gateway_get_routes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,6 +236,7 @@ def _check_command_line(objects: list[dict], tmp_path: Path, monkeypatch, capsys
     args = build_parser(argv).parse_args(argv)
     settings = load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields},
                              config_path=args.config)
+    check_settings(settings)  # policy and metric names, as serve checks them before the tokenizer
     if settings.tokenizer and not _offline(settings.tokenizer):
         # The pod's init container downloads it; here --check-config must refuse, naming it.
         assert main([*argv, "--check-config"]) == 2
@@ -299,11 +301,15 @@ def test_epp_command_line_parses(tmp_path, monkeypatch, capsys):
     config_dir = _settings_file(objects, _gateway(objects), tmp_path)
     argv = _on_host(container["args"], config_dir)
     if "epp" not in COMMANDS:
-        # Until `kvgate epp` exists, the flags it shares with serve are checked with serve's parser.
-        shared = [arg for arg in argv[1:] if arg.startswith("--config=")]
-        args = build_parser(["serve", *shared]).parse_args(["serve", *shared])
-        load_settings({}, config_path=args.config)
-        pytest.skip("kvgate has no `epp` subcommand yet: only --config was checked (with serve's parser)")
+        # Until `kvgate epp` exists, the flags it shares with serve (all but --http-port) are checked
+        # with serve's parser, over the same settings file.
+        shared = ["serve", *(arg for arg in argv[1:] if not arg.startswith("--http-port="))]
+        args = build_parser(shared).parse_args(shared)
+        settings = load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields},
+                                 config_path=args.config, environ={})
+        assert settings.port == 9002
+        pytest.skip("kvgate has no `epp` subcommand yet: --config and --port checked with serve's parser, "
+                    "--http-port unchecked")
     args = build_parser(argv).parse_args(argv)
     assert args.port == 9002 and args.http_port == 9090
     load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields}, config_path=args.config)
