@@ -146,10 +146,9 @@ def _prompt(conversation: int, turn: int, length: int) -> list[int]:
 
 async def exercise(fleet: DashboardFleet, round_number: int) -> None:
     """One round of traffic: conversations on the cache-aware gateways (whole and streamed), a new
-    one (the dead instance's retries and ejection), a wrong
-    key twice (401, then 429 from the failed-authentication budget), a prefix-cache reset on one
-    engine (a KV events reset), and short and long prompts through the PD gateway (local and remote
-    prefill)."""
+    one (the dead instance's retries and ejection), a wrong key twice (401, then 429 from the
+    failed-authentication budget), a prefix-cache reset on one engine every fifth round (a KV
+    events reset), and short and long prompts through the PD gateway (local and remote prefill)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession() as session:
 
