@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvgate.cli import COMMANDS, build_parser, main
+from kvgate.cli import build_parser, main
 from kvgate.config.loader import load_settings
 from kvgate.config.settings import Settings
 from kvgate.scheduler.registry import check_settings
@@ -300,19 +300,10 @@ def test_epp_command_line_parses(tmp_path, monkeypatch, capsys):
     container = _container(_gateway(objects))
     config_dir = _settings_file(objects, _gateway(objects), tmp_path)
     argv = _on_host(container["args"], config_dir)
-    if "epp" not in COMMANDS:
-        # Until `kvgate epp` exists, the flags it shares with serve (all but --http-port) are checked
-        # with serve's parser, over the same settings file.
-        shared = ["serve", *(arg for arg in argv[1:] if not arg.startswith("--http-port="))]
-        args = build_parser(shared).parse_args(shared)
-        settings = load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields},
-                                 config_path=args.config, environ={})
-        assert settings.port == 9002
-        pytest.skip("kvgate has no `epp` subcommand yet: --config and --port checked with serve's parser, "
-                    "--http-port unchecked")
     args = build_parser(argv).parse_args(argv)
-    assert args.port == 9002 and args.http_port == 9090
-    load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields}, config_path=args.config)
+    settings = load_settings({k: v for k, v in vars(args).items() if k in Settings.model_fields},
+                             config_path=args.config, environ={})
+    assert (settings.port, settings.epp_http_port) == (9002, 9090)
 
 
 def test_every_kustomization_names_files_that_exist():
