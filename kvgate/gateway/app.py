@@ -33,7 +33,7 @@ from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.metrics.definitions import GatewayMetrics, client_key_metrics
 
 if TYPE_CHECKING:
-    from kvgate.workers.worker import WorkerShare
+    from kvgate.gateway.worker_share import WorkerShare
 
 
 def build_app(
@@ -158,9 +158,7 @@ async def _livez(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     if gateway.shared is not None:
-        from kvgate.workers.whole_metrics import whole_gateway_metrics
-
-        body = whole_gateway_metrics(gateway.shared, gateway.registry)
+        body = gateway.shared.whole_metrics(gateway.registry)
     else:
         body = generate_latest(gateway.prometheus)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

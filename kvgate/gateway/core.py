@@ -64,7 +64,7 @@ from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
-    from kvgate.workers.worker import WorkerShare
+    from kvgate.gateway.worker_share import WorkerShare
 
 # How often stale dispatch entries are dropped from the account (its staleness is seconds).
 EXPIRY_INTERVAL_S = 1.0
@@ -139,9 +139,9 @@ def _events_view(
     if not events_enabled(settings):
         return None, None
     if shared is not None:
-        if not shared.spec.events_index_path:
+        if not shared.events_index_path:
             return None, None
-        index = EventsIndex.attach(shared.spec.events_index_path)
+        index = EventsIndex.attach(shared.events_index_path)
     else:
         index = EventsIndex.create(settings.kv_events_index_bytes, settings.kv_events_max_instances)
     lookup_metrics = kv_events_lookup_metrics(prometheus)

@@ -34,8 +34,7 @@ from kvgate.scheduler.decode import DecodeLedger, PDDecision
 from kvgate.scheduler.hashing import BlockExtras, BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.tiers import EngineHits
-from kvgate.scheduler.ttft import TTFTPrediction
-from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore, TTFTPrediction
 
 # Hashing more tokens than this moves to the executor (sha256 over ~100K tokens takes milliseconds).
 _INLINE_HASH_TOKENS = 16384

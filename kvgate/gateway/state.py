@@ -27,7 +27,7 @@ from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
-    from kvgate.workers.worker import WorkerShare
+    from kvgate.gateway.worker_share import WorkerShare
 
 
 @dataclass

@@ -18,8 +18,8 @@ from kvgate.scheduler.prfaas import ClusterDecision, PrfaasRouter, cluster_view
 from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.rejection import Rejection, RejectionFilter
 from kvgate.scheduler.tiers import EngineHits, TieredHits, local_hit_tokens, tiered_hits
-from kvgate.scheduler.ttft import Predictions, TTFTModel, TTFTPrediction, TTFTProfile
-from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest
+from kvgate.scheduler.ttft import Predictions, TTFTModel, TTFTProfile
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest, TTFTPrediction
 
 
 class Scheduler:

@@ -15,6 +15,7 @@ import sys
 import time
 
 import aiohttp
+import openai
 import pytest
 import yaml
 import zmq
@@ -31,8 +32,8 @@ from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.kvs_client.events.base import BlocksStored
 from kvgate.kvs_client.events.keys import key_of
 from kvgate.kvs_client.events.vllm import VllmDecoder
-from tests.gateway_helpers import assert_nothing_in_flight
-from tests.vllm.fleet import KV_BLOCKS, MODEL, module_fleet
+from tests.gateway_helpers import assert_nothing_in_flight, wait_until
+from tests.vllm.fleet import KV_BLOCKS, MODEL, engine_sample, module_fleet
 
 BLOCK = 256
 
@@ -336,3 +337,34 @@ async def _gateway_metrics(url: str) -> dict[str, float]:
 
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
         return parse_metric_sums(await response.text())
+
+
+async def test_the_endpoint_picker_behind_envoy_routes_on_the_engines_events(engines, engine_tokenizer, tmp_path):
+    """`kvgate epp` behind a real Envoy, in front of the real engines: a prompt one engine holds lands
+    on it through Envoy, a stream arrives whole, its usage closes the loop, and the account is at zero."""
+    pytest.importorskip("grpc", reason="the endpoint picker needs its extra: pip install 'kvgate[epp]'")
+    from kvgate.gateway.ext_proc.server import start_picker
+    from tests.envoy_proxy import envoy_binary, running_envoy
+
+    envoy_binary()
+    picker = await start_picker(settings_for(engines, epp_http_port=0), tokenizer=engine_tokenizer)
+    try:
+        await _until_following(picker.http_url, engines)
+        async with running_envoy(picker.grpc_address, tmp_path) as envoy:
+            api = openai.AsyncOpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            prompt = fresh_ids(400, 4 * BLOCK + 21)
+            await post(engines[1].url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+            await _wait_hit(picker.http_url, {"model": MODEL, "prompt": prompt, "max_tokens": 1}, "e1", 4 * BLOCK)
+            before = await engine_sample(engines[1], "vllm:prefix_cache_hits_total")
+            stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True,
+                                                  stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+            assert sum(len(c.choices[0].text) for c in chunks if c.choices) > 0
+            # The engine that held the prefix answered: its own counter moved by the whole hit.
+            assert await engine_sample(engines[1], "vllm:prefix_cache_hits_total") - before == 4 * BLOCK
+            metrics = await _gateway_metrics(picker.http_url)
+            assert metrics["kvgate_predicted_cached_tokens_total"] == metrics["kvgate_reported_cached_tokens_total"]
+            await wait_until(lambda: picker.gateway.account.total_inflight() == 0)
+    finally:
+        await picker.close()
