@@ -25,7 +25,7 @@ from /proc over the loop, divided by every answer the loop received, warm-up inc
 is its only client); for Envoy + kvgate epp, each process's share and their sum. With --runs N the whole sequence is repeated N times against the same
 processes and every figure is the median over the runs (each run's added latency against its own
 baseline). With --pin the routers run on a quarter of the CPUs (one of two), the backend and the
-load generator on the others (taskset's affinity, inherited by every process started meanwhile).
+load generator on the others (CPU affinity, inherited by every process started meanwhile).
 """
 
 from __future__ import annotations
