@@ -30,6 +30,7 @@ from kvgate.gateway.core import build_gateway, running_fleet
 from kvgate.gateway.errors import error_middleware
 from kvgate.gateway.ext_proc.exchange import Exchange
 from kvgate.gateway.observe import observe_middleware, request_ids
+from kvgate.gateway.server import tune_gc
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.kvs_client import EmbeddedKVSIndex
 
@@ -139,6 +140,7 @@ async def _serve_forever(settings: Settings, tokenizer: Any) -> int:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     handle = await start_picker(settings, tokenizer=tokenizer)
+    tune_gc()  # as `kvgate serve` does: start-up's objects out of the collector's sight
     log.info("kvgate endpoint picker: ext_proc gRPC on %s, HTTP on %s, %d instance(s), policy %s",
              handle.grpc_address, handle.http_url, len(settings.instances), settings.effective_policy)
     print(f"kvgate epp listening on {handle.grpc_address} (gRPC), {handle.http_url} (HTTP)", flush=True)
