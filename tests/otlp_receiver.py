@@ -8,8 +8,8 @@ every span, so tests can assert names, attributes, events and parent links of wh
         ...
         [server] = await receiver.wait_for(lambda s: s.kind == "server", count=1)
 
-Run alone (`python -m tests.otlp_receiver --port 4318 --grpc-port 4317`) it serves until interrupted and
-prints the spans received: the sink `kvgate bench overhead --otlp-traces-endpoint` exports to.
+Run alone (`python -m tests.otlp_receiver --port 4318 --grpc-port 4317`) it serves until SIGINT or SIGTERM
+and prints how many spans it received: the sink `kvgate bench overhead --otlp-traces-endpoint` exports to.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import gzip
+import signal
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -189,8 +190,11 @@ async def running_receiver(grpc_too: bool = True) -> AsyncIterator[OTLPReceiver]
 async def _serve(http_port: int, grpc_port: int) -> None:
     receiver = await OTLPReceiver(http_port=http_port, grpc_port=grpc_port, keep=False).start()
     print(f"OTLP receiver: {receiver.http_endpoint} (http/protobuf), {receiver.grpc_endpoint} (grpc)", flush=True)
+    stop = asyncio.Event()
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(signal_number, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         print(f"received {receiver.received_spans} span(s) in {receiver.exports} export(s)", flush=True)
         await receiver.close()
@@ -201,5 +205,4 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=4318, help="OTLP/HTTP port")
     parser.add_argument("--grpc-port", type=int, default=4317, help="OTLP/gRPC port")
     args = parser.parse_args()
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args.port, args.grpc_port))
+    asyncio.run(_serve(args.port, args.grpc_port))

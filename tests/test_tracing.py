@@ -5,6 +5,8 @@ the engines, early rejection, retries, prefill/decode pairs, gRPC export, sampli
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
@@ -277,3 +279,18 @@ def test_the_protocol_and_service_name_follow_opentelemetrys_variables_below_kvg
     assert load_settings(environ={}).otlp_traces_endpoint == ""  # off by default
     with pytest.raises(ValueError, match="otlp-traces-protocol"):
         load_settings(environ={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+
+
+async def test_bench_overhead_measures_a_traced_gateway_beside_the_untraced_one(tmp_path):
+    from kvgate.bench.overhead import OverheadConfig, gateway_label, measure
+
+    async with running_receiver(grpc_too=False) as receiver:
+        config = OverheadConfig(concurrency=(2,), duration_s=0.3, max_requests=40, runs=1, workers=(1,), peers=False,
+                                otlp_traces_endpoint=receiver.http_endpoint)
+        [row] = await asyncio.to_thread(measure, config, tmp_path)
+        traced_label = gateway_label(1, traced=True)
+        assert row.labels == [gateway_label(1), traced_label] and row.errors(traced_label) == 0
+        # The traced `kvgate serve` process exported every request it answered (flushed when it stopped).
+        answered = row.runs[0].routed[traced_label].result.answers
+        assert answered > 0
+        assert len([s for s in receiver.spans if s.kind == "server" and s.service == "kvgate"]) == answered

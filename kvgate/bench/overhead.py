@@ -8,6 +8,9 @@ Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
   embedded index; health checks and stats scraping on;
 - sglang-router 0.3.2 with its cache_aware policy in front of the same backend (installed into
   the peers' virtualenv, see peers.py; `--no-peers` skips it);
+- with --otlp-traces-endpoint URL, the same gateways again with tracing on, every request sampled and
+  its spans exported over OTLP/HTTP to URL (a collector or `python -m tests.otlp_receiver`): what
+  tracing costs, beside the same gateways untraced;
 - with --floor, a bare relay (kvgate.bench.bare_relay: aiohttp's server and kvgate's upstream
   client, no routing) in front of the same backend: the CPU per request of the HTTP plumbing alone;
 - the load generator (closed loop, fixed ~2 KB completion, whole JSON or with --stream an SSE
@@ -70,6 +73,7 @@ class OverheadConfig:
     venv_dir: Path | None = None
     install_peers: bool = True
     floor: bool = False  # also measure the bare relay (kvgate.bench.bare_relay)
+    otlp_traces_endpoint: str = ""  # also measure the gateways traced, exporting there
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,9 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 @contextlib.contextmanager
-def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterator[RouterProcess]:
+def gateway_process(backend_url: str, log_dir: Path, workers: int = 1,
+                    traces_endpoint: str = "") -> Iterator[RouterProcess]:
+    """`kvgate serve` on the cache-aware path; with `traces_endpoint`, tracing every request to it."""
     port = free_port()
     config = {
         "host": "127.0.0.1",
@@ -192,10 +198,14 @@ def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterat
         "kvs_backend": "embedded",
         "instances": [{"id": "backend", "url": backend_url, "model": DEFAULT_MODEL}],
     }
-    config_path = log_dir / f"gateway-w{workers}.yaml"
+    name = f"gateway-w{workers}"
+    if traces_endpoint:
+        config.update(otlp_traces_endpoint=traces_endpoint, otlp_traces_sample_ratio=1.0)
+        name += "-traced"
+    config_path = log_dir / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     argv = [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config_path), "--log-level", "WARNING"]
-    process = LocalProcess(argv, log_dir / f"gateway-w{workers}.log")
+    process = LocalProcess(argv, log_dir / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         # With workers, one may listen before the others: wait for the supervisor's line.
@@ -242,8 +252,8 @@ def _routed_loop(config: OverheadConfig, routed: RouterProcess, concurrency: int
     return RoutedLoop(result, cpu_ms)
 
 
-def gateway_label(workers: int) -> str:
-    return f"kvgate cache_aware --workers {workers}"
+def gateway_label(workers: int, traced: bool = False) -> str:
+    return f"kvgate cache_aware --workers {workers}" + (", traced" if traced else "")
 
 
 def measure(config: OverheadConfig, log_dir: Path, log: Callable[[str], None] = print) -> list[OverheadRow]:
@@ -252,6 +262,9 @@ def measure(config: OverheadConfig, log_dir: Path, log: Callable[[str], None] = 
         backends = stack.enter_context(instant_backends(1, log_dir))
         routers = {gateway_label(n): stack.enter_context(gateway_process(backends[0].url, log_dir, n))
                    for n in config.workers}
+        if config.otlp_traces_endpoint:
+            routers.update({gateway_label(n, traced=True): stack.enter_context(
+                gateway_process(backends[0].url, log_dir, n, config.otlp_traces_endpoint)) for n in config.workers})
         if config.floor:
             routers[FLOOR] = stack.enter_context(bare_relay_process(backends[0].url, log_dir))
         if config.peers:
@@ -312,6 +325,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip sglang-router cache_aware")
     parser.add_argument("--floor", action="store_true",
                         help="also measure a bare relay (aiohttp's server + kvgate's upstream client, no routing)")
+    parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                        help="also measure the gateways with tracing on, exporting every request's spans over "
+                        "OTLP/HTTP to URL (e.g. http://127.0.0.1:4318/v1/traces)")
     parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
     parser.add_argument("--venv", type=Path, default=None, help=f"peers' virtualenv (default {peers.default_venv_dir()})")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -333,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = OverheadConfig(concurrency, args.duration_s, args.max_requests, args.runs, args.stream, workers,
                             peers=not args.no_peers, venv_dir=args.venv, install_peers=not args.no_install,
-                            floor=args.floor)
+                            floor=args.floor, otlp_traces_endpoint=args.otlp_traces_endpoint)
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
