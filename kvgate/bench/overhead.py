@@ -8,6 +8,9 @@ Setup, all on 127.0.0.1, each in its own process so no two share an event loop:
   embedded index; health checks and stats scraping on;
 - sglang-router 0.3.2 with its cache_aware policy in front of the same backend (installed into
   the peers' virtualenv, see peers.py; `--no-peers` skips it);
+- with --otlp-traces-endpoint URL, the same gateways again with tracing on, every request sampled and
+  its spans exported over OTLP/HTTP to URL (a collector or `python -m tests.otlp_receiver`): what
+  tracing costs, beside the same gateways untraced;
 - with --floor, a bare relay (kvgate.bench.bare_relay: aiohttp's server and kvgate's upstream
   client, no routing) in front of the same backend: the CPU per request of the HTTP plumbing alone;
 - with --epp, Envoy 1.40 (one worker thread) in front of `kvgate epp` with the same settings as
@@ -78,6 +81,7 @@ class OverheadConfig:
     floor: bool = False  # also measure the bare relay (kvgate.bench.bare_relay)
     epp: bool = False  # also measure Envoy + kvgate epp (kvgate.bench.envoy)
     pin: bool = False  # routers on their own CPUs, the backend and the load generator on the others
+    otlp_traces_endpoint: str = ""  # also measure the gateways traced, exporting there
 
 
 @dataclass(frozen=True)
@@ -223,13 +227,19 @@ def cache_aware_settings(backend_url: str) -> dict:
 
 
 @contextlib.contextmanager
-def gateway_process(backend_url: str, log_dir: Path, workers: int = 1) -> Iterator[MeasuredRouter]:
+def gateway_process(backend_url: str, log_dir: Path, workers: int = 1,
+                    traces_endpoint: str = "") -> Iterator[MeasuredRouter]:
+    """`kvgate serve` on the cache-aware path; with `traces_endpoint`, tracing every request to it."""
     port = free_port()
     config = {"host": "127.0.0.1", "port": port, "workers": workers, **cache_aware_settings(backend_url)}
-    config_path = log_dir / f"gateway-w{workers}.yaml"
+    name = f"gateway-w{workers}"
+    if traces_endpoint:
+        config.update(otlp_traces_endpoint=traces_endpoint, otlp_traces_sample_ratio=1.0)
+        name += "-traced"
+    config_path = log_dir / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     argv = [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config_path), "--log-level", "WARNING"]
-    process = LocalProcess(argv, log_dir / f"gateway-w{workers}.log")
+    process = LocalProcess(argv, log_dir / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         # With workers, one may listen before the others: wait for the supervisor's line.
@@ -282,8 +292,8 @@ def _routed_loop(config: OverheadConfig, routed: MeasuredRouter, concurrency: in
     return RoutedLoop(result, {name: (after[name] - before[name]) / result.answers * 1000 for name in before})
 
 
-def gateway_label(workers: int) -> str:
-    return f"kvgate cache_aware --workers {workers}"
+def gateway_label(workers: int, traced: bool = False) -> str:
+    return f"kvgate cache_aware --workers {workers}" + (", traced" if traced else "")
 
 
 def _start_routers(config: OverheadConfig, backends: Sequence[Engine], log_dir: Path,
@@ -293,6 +303,9 @@ def _start_routers(config: OverheadConfig, backends: Sequence[Engine], log_dir: 
     backend_url = backends[0].url
     routers = {gateway_label(n): stack.enter_context(gateway_process(backend_url, log_dir, n))
                for n in config.workers}
+    if config.otlp_traces_endpoint:
+        routers.update({gateway_label(n, traced=True): stack.enter_context(
+            gateway_process(backend_url, log_dir, n, config.otlp_traces_endpoint)) for n in config.workers})
     if config.epp:
         if (reason := envoy.pair_unavailable()) is None:
             routers[EPP] = stack.enter_context(epp_pair(backend_url, log_dir))
@@ -390,6 +403,9 @@ def add_parser(subparsers) -> None:
                         help=f"also measure Envoy in front of `kvgate epp` (needs kvgate[epp], {envoy.ENVOY_PACKAGE})")
     parser.add_argument("--pin", action="store_true",
                         help="routers on a quarter of the CPUs (at least one), backend and load generator on the rest")
+    parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                        help="also measure the gateways with tracing on, exporting every request's spans over "
+                        "OTLP/HTTP to URL (e.g. http://127.0.0.1:4318/v1/traces)")
     parser.add_argument("--no-install", action="store_true", help="use the peers' virtualenv as it is")
     parser.add_argument("--venv", type=Path, default=None, help=f"peers' virtualenv (default {peers.default_venv_dir()})")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
@@ -409,7 +425,8 @@ def config_from_args(args: argparse.Namespace) -> OverheadConfig:
         raise ValueError("--concurrency, --workers, --duration-s, --max-requests and --runs must be positive")
     return OverheadConfig(concurrency, args.duration_s, args.max_requests, args.runs, args.stream, workers,
                           peers=not args.no_peers, venv_dir=args.venv, install_peers=not args.no_install,
-                          floor=args.floor, epp=args.epp, pin=args.pin)
+                          floor=args.floor, epp=args.epp, pin=args.pin,
+                          otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import sys
 
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.settings import Settings
+from kvgate.gateway.tracing import check_tracing
 from kvgate.scheduler.registry import check_settings
 
 
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(cli_values, config_path=args.config)
         check_settings(settings)
         check_picker_settings(settings)
+        check_tracing(settings)
     except (ConfigError, ValueError) as exc:
         print(f"kvgate epp: {exc}", file=sys.stderr)
         return 2

@@ -89,6 +89,13 @@ DEFAULT_METRIC_ORDER = (
 )
 
 
+class OTLPProtocol(StrEnum):
+    """OTLP transports, named as OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names them."""
+
+    HTTP_PROTOBUF = "http/protobuf"
+    GRPC = "grpc"
+
+
 class EarlyRejection(StrEnum):
     NONE = "none"
     EARLY = "early"
@@ -514,6 +521,23 @@ class Settings(BaseModel):
     )
     discovery_backoff_max_s: float = Field(
         30.0, gt=0, description="Longest wait between retries while the Kubernetes API server fails.",
+    )
+
+    # --- tracing: OpenTelemetry spans of each request, exported over OTLP (docs/OPERATIONS.md, "Tracing") ---
+    otlp_traces_endpoint: str = Field(
+        "", description="OTLP traces endpoint: http/protobuf a full URL (http://collector:4318/v1/traces), grpc "
+        "host:port or a URL (http:// = no TLS); empty: tracing off. Needs pip install 'kvgate[tracing]'.",
+    )
+    otlp_traces_protocol: OTLPProtocol = Field(
+        OTLPProtocol.HTTP_PROTOBUF, description="http/protobuf | grpc (also read from the environment as "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, then OTEL_EXPORTER_OTLP_PROTOCOL, below KVGATE_*).",
+    )
+    otlp_traces_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Share of new traces recorded; a request carrying a traceparent follows "
+        "its sampled flag.",
+    )
+    otlp_service_name: str = Field(
+        "kvgate", min_length=1, description="service.name of kvgate's spans (also read from OTEL_SERVICE_NAME)."
     )
 
     instances: tuple[InstanceConfig, ...] = ()

@@ -26,13 +26,16 @@ from kvgate.gateway.errors import error_middleware
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.observe import REQUEST_ID, observe_middleware
 from kvgate.gateway.protocol import ParsedRequest, json_response, parse_chat, parse_completion
+from kvgate.gateway.relay import STREAM_BROKEN
 from kvgate.gateway.request_notes import MODEL, PLAN
-from kvgate.gateway.state import GATEWAY
+from kvgate.gateway.state import GATEWAY, Gateway
+from kvgate.gateway.tracing import names
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.metrics.definitions import GatewayMetrics, client_key_metrics
 
 if TYPE_CHECKING:
+    from kvgate.gateway.tracing.spans import RequestTrace
     from kvgate.gateway.worker_share import WorkerShare
 
 
@@ -122,11 +125,35 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, parse: Callable[[bytes], ParsedRequest]) -> web.StreamResponse:
     arrived = time.perf_counter()
     gateway = request.app[GATEWAY]
+    if gateway.tracing is not None:
+        return await _serve_traced(request, parse, gateway, arrived)
+    return await _answer(request, parse, gateway, arrived, None)
+
+
+async def _answer(request: web.Request, parse: Callable[[bytes], ParsedRequest], gateway: Gateway, arrived: float,
+                  trace: RequestTrace | None) -> web.StreamResponse:
     parsed = parse(await request.read())
     request[MODEL] = parsed.model
-    plan = request[PLAN] = await plan_admitted(gateway, parsed)
+    if trace is not None:
+        trace.parsed(parsed)
+    plan = request[PLAN] = await plan_admitted(gateway, parsed, trace)
     assert gateway.forwarder is not None, "the application has not started"
-    return await gateway.forwarder.forward(request, parsed, plan, request[REQUEST_ID], arrived)
+    return await gateway.forwarder.forward(request, parsed, plan, request[REQUEST_ID], arrived, trace)
+
+
+async def _serve_traced(request: web.Request, parse: Callable[[bytes], ParsedRequest], gateway: Gateway,
+                        arrived: float) -> web.StreamResponse:
+    """The request under its server span, which continues the client's traceparent (if any)."""
+    from kvgate.gateway.tracing.spans import RequestTrace
+
+    assert gateway.tracing is not None
+    attributes = {names.REQUEST_ID: request[REQUEST_ID], names.FRONT_DOOR: "http",
+                  names.CLIENT_ADDRESS: request.remote or "", names.USER_AGENT: request.headers.get("User-Agent", "")}
+    with RequestTrace(gateway.tracing, request.method, request.path, request.path, request.headers, arrived,
+                      attributes) as trace:
+        response = await _answer(request, parse, gateway, arrived, trace)
+        trace.answered(response.status, names.STREAM_BROKEN if STREAM_BROKEN in request else None)
+        return response
 
 
 async def _models(request: web.Request) -> web.Response:

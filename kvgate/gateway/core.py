@@ -41,6 +41,7 @@ from kvgate.gateway.registry import InstanceRegistry
 from kvgate.gateway.routing import RoutePlan, RoutePlanner
 from kvgate.gateway.state import Gateway
 from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.tracing import start_tracing
 from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.kvs_client.events import events_enabled
@@ -64,6 +65,7 @@ from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
+    from kvgate.gateway.tracing.spans import RequestTrace
     from kvgate.gateway.worker_share import WorkerShare
 
 # How often stale dispatch entries are dropped from the account (its staleness is seconds).
@@ -126,6 +128,7 @@ def build_gateway(
                       planner, hits, auth_failures, feedback, decode_ledger, shared=shared, events=events)
     if scheduler.prfaas is not None:
         gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
+    gateway.tracing = start_tracing(settings, events is not None)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
     return gateway
@@ -148,14 +151,19 @@ def _events_view(
     return EventsView(index, lookup_metrics), lookup_metrics
 
 
-async def plan_admitted(gateway: Gateway, parsed: ParsedRequest) -> RoutePlan:
+async def plan_admitted(gateway: Gateway, parsed: ParsedRequest, trace: RequestTrace | None = None) -> RoutePlan:
     """The plan for a request the rejection filter lets through (APIError 429 with Retry-After when
-    it refuses); the planner's own refusals (404, 400, 503) are raised as they are."""
+    it refuses); the planner's own refusals (404, 400, 503) are raised as they are. A traced
+    request's spans get the planner's stages and decision."""
     plan = await gateway.planner.plan(parsed)
+    if trace is not None:
+        trace.planned(plan)
     # The rejection filter; a prefill/decode split passes its decode instance's load here.
     rejection = gateway.scheduler.judge(plan.decision, plan.candidates, plan.decode_load)
     if rejection is not None:
         gateway.metrics.admission_rejections.inc()
+        if trace is not None:
+            trace.rejected(rejection.code)
         raise APIError(429, rejection.message, code=rejection.code,
                        headers={"Retry-After": str(rejection.retry_after_s)})
     return plan
@@ -217,3 +225,5 @@ async def running_fleet(gateway: Gateway, front_door_jobs: Sequence[Job] = ()) -
         if gateway.kvs is not None:
             await gateway.kvs.close()
         gateway.tokenizer.close()
+        if gateway.tracing is not None:  # last: the front door's requests have ended their spans
+            await gateway.tracing.close()

@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -50,10 +50,14 @@ from kvgate.gateway.relay import (
 )
 from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
+from kvgate.gateway.tracing.names import FORWARD
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
+
+if TYPE_CHECKING:
+    from kvgate.gateway.tracing.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +100,13 @@ class Forwarder:
         ) if settings.pd_protocol is not None else None
 
     async def forward(
-        self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
+        self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float,
+        trace: RequestTrace | None = None,
     ) -> web.StreamResponse:
         headers = _upstream_headers(request_id, self._authorization(request))
         if plan.pd is not None and self._pd is not None:
             response = await self._pd.forward(request, parsed, plan, self._pd_body(parsed, plan), headers,
-                                              request_id, arrived)
+                                              request_id, arrived, trace)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             return response
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
@@ -133,8 +138,15 @@ class Forwarder:
             tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
             request[ANSWERED_BY] = instance_id
             try:
-                response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived, tap, first_byte_timeout_s, on_first_byte)
+                if trace is None:
+                    response = await self._attempt(request, key, state.config.url, path, payload, headers,
+                                                   request_id, arrived, tap, first_byte_timeout_s, on_first_byte)
+                else:
+                    with trace.attempt(FORWARD, instance_id, state.config.url, attempts) as span:
+                        response = await self._attempt(request, key, state.config.url, path, payload,
+                                                       headers + span.header_lines(), request_id, arrived, tap,
+                                                       first_byte_timeout_s, span.on_first_byte(on_first_byte))
+                        span.answered(response.status, request.get(STREAM_BROKEN))
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 self._outliers.failure(instance_id, str(failure))

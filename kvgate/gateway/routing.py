@@ -59,6 +59,9 @@ class RoutePlan:
     engine_hits: EngineHits | None = None
     # The debug route's: each instance's prefix in its own store segment, the store's view alone.
     store_hits: Mapping[str, int] | None = None
+    # time.perf_counter() when planning started, and when tokenizing, the lookup (with any further
+    # tokenizing it asked for) and the decision ended: the stages' spans (gateway/tracing/).
+    stages: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def score(self, instance_id: str) -> InstanceScore | None:
         # Scores are in ranking order and may be built when read: fetch only the one asked for.
@@ -155,15 +158,15 @@ class RoutePlanner:
         if not self._registry.serves(request.model):
             raise APIError(404, f"the model '{request.model}' does not exist; see GET /v1/models",
                            param="model", code="model_not_found")
-        started = time.perf_counter()
+        planning = time.perf_counter()
         try:
             encoding = await self._encoding(request)
         except BaseException:
-            self._stage["tokenize"].observe(time.perf_counter() - started)
+            self._stage["tokenize"].observe(time.perf_counter() - planning)
             raise
-        tokenize_s = time.perf_counter() - started  # observed with any extension's time below
-
         started = time.perf_counter()
+        tokenize_s = started - planning  # observed with any extension's time below
+
         extras = self._extras(request)
         # Keys the engines mix an adapter or a salt into cannot be matched by an algorithm without that slot.
         matchable = not extras or self._scheduler.extras_hashable
@@ -171,6 +174,7 @@ class RoutePlanner:
             self._unmatched.labels("lora" if extras.lora else "cache_salt").inc()
         wants_kvs = matchable and self._scheduler.wants_kvs(encoding.total_tokens)
         found = await self._look_up(request, encoding, wants_kvs, explain and matchable, extras)
+        looked_up = time.perf_counter()
         self._stage["tokenize"].observe(tokenize_s + found.extending_s)
         lookup = found.lookup
         locations: Sequence[Sequence[str]] | None = None
@@ -202,14 +206,16 @@ class RoutePlanner:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
             decision = self._scheduler.decide(num_prompt_tokens, blocks, locations, candidates,
                                               disk_locations=disk_locations, engine=found.engine, dry_run=explain)
-        schedule_s = time.perf_counter() - started - kvs_elapsed - found.extending_s
+        decided = time.perf_counter()
+        schedule_s = decided - started - kvs_elapsed - found.extending_s
         self._stage["schedule"].observe(max(schedule_s, 0.0))
         if not encoding.complete and not explain:  # the debug route only looks
             self._window.metrics.estimated_prompts.inc()
             self._window.complete_later(self._tokenizer, encoding)
         store_hits = self._scheduler.store_hits(num_prompt_tokens, blocks, locations) if explain else None
         return RoutePlan(encoding.ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd,
-                         num_prompt_tokens, not encoding.complete, found.engine, store_hits)
+                         num_prompt_tokens, not encoding.complete, found.engine, store_hits,
+                         (planning, started, looked_up, decided))
 
     async def _look_up(self, request: ParsedRequest, encoding: PromptEncoding, wants_kvs: bool,
                        explain: bool, extras: BlockExtras | None) -> _Found:

@@ -27,6 +27,7 @@ from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
+    from kvgate.gateway.tracing.provider import Tracing
     from kvgate.gateway.worker_share import WorkerShare
 
 
@@ -60,6 +61,8 @@ class Gateway:
     shared: WorkerShare | None = None
     # The engines' KV events index (docs/KV_EVENTS.md); None when no instance publishes events.
     events: EventsView | None = None
+    # OpenTelemetry tracing (gateway/tracing/); None when off (no --otlp-traces-endpoint).
+    tracing: Tracing | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import orjson
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
@@ -34,7 +35,11 @@ from kvgate.gateway.protocol import ParsedRequest, parse_chat, parse_completion
 from kvgate.gateway.relay import REQUEST_ID_HEADER, events_end
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import Gateway
+from kvgate.gateway.tracing import names
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
+
+if TYPE_CHECKING:
+    from kvgate.gateway.tracing.spans import AttemptSpan, RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,9 @@ class Exchange:
         self._pending = bytearray()  # an SSE answer's bytes after its last complete event
         self._whole = bytearray()  # a whole answer, while it is read for its usage
         self._finished = False
+        # Traced requests only (gateway/tracing/): the server span, and the span of the pick Envoy sends.
+        self._trace: RequestTrace | None = None
+        self._span: AttemptSpan | None = None
 
     async def handle(self, message: ProcessingRequest) -> list[ProcessingResponse]:
         """Envoy's message in, the picker's answers out (none while the request body is buffered)."""
@@ -109,7 +117,7 @@ class Exchange:
         release the account entry; counted as 499 as the HTTP front door counts a hang-up."""
         self._end(CLIENT_CLOSED)
 
-    def _end(self, status: str) -> None:
+    def _end(self, status: str, code: str | None = None) -> None:
         """Release the account entry (once) and count the request by route and status."""
         if self._finished:
             return
@@ -117,6 +125,23 @@ class Exchange:
         if self._key is not None:
             self._gateway.feedback.tracker.release(self._key)
         self._gateway.metrics.requests.labels(self._route, status).inc()
+        if self._trace is not None:
+            self._end_trace(status, code)
+
+    def _end_trace(self, status: str, code: str | None) -> None:
+        assert self._trace is not None
+        if status == CLIENT_CLOSED:
+            if self._span is not None:
+                self._span.cancelled()
+            self._trace.closed()
+            return
+        if self._span is not None:
+            self._span.answered(self._status)
+            self._span.end()
+        if code is not None:
+            self._trace.failed(self._status, code)
+        else:
+            self._trace.answered(self._status)
 
     async def _request_headers(self, message: ProcessingRequest) -> list[ProcessingResponse]:
         headers = messages.header_values(message.request_headers.headers)
@@ -124,6 +149,12 @@ class Exchange:
         path = headers.get(":path", "").partition("?")[0]
         self._route = path if path in PARSERS else _UNMATCHED
         self._subset = messages.subset_hint(message)
+        tracing = self._gateway.tracing
+        if tracing is not None:
+            from kvgate.gateway.tracing.spans import RequestTrace
+
+            self._trace = RequestTrace(tracing, headers.get(":method", "POST"), self._route, path, headers,
+                                       self._arrived, {names.REQUEST_ID: self.request_id, names.FRONT_DOOR: "epp"})
         if message.request_headers.end_of_stream:  # no body: nothing to route on
             return await self._decide(end_of_stream=True)
         return []
@@ -137,7 +168,9 @@ class Exchange:
                 raise APIError(404, "the endpoint picker routes POST /v1/completions and /v1/chat/completions",
                                code="route_not_found")
             parsed = parse(bytes(self._body))
-            plan = await plan_admitted(self._gateway, parsed)
+            if self._trace is not None:
+                self._trace.parsed(parsed)
+            plan = await plan_admitted(self._gateway, parsed, self._trace)
             picks = self._picks(plan, parsed.model)
         except APIError as exc:
             return [self._refuse(exc)]
@@ -145,7 +178,12 @@ class Exchange:
             log.exception("endpoint picker: request %s failed", self.request_id)
             return [self._refuse(APIError(500, "internal gateway error; see the gateway log", code="internal_error"))]
         self._dispatch(parsed, plan, picks[0][0])
-        destination = messages.destination([address for _, address in picks])
+        trace_context: dict[str, str] = {}
+        if self._trace is not None:  # Envoy sends the request to the engine under this span
+            state = self._gateway.registry.get(picks[0][0])
+            self._span = self._trace.attempt(names.FORWARD, picks[0][0], state.config.url if state else "", 1)
+            trace_context = self._span.headers()
+        destination = messages.destination([address for _, address in picks], trace_context)
         return [destination, *messages.request_body_chunks(bytes(self._body), end_of_stream)]
 
     def _picks(self, plan: RoutePlan, model: str) -> list[tuple[str, str]]:
@@ -189,7 +227,7 @@ class Exchange:
 
     def _refuse(self, error: APIError) -> ProcessingResponse:
         self._status = error.status
-        self._end(str(error.status))
+        self._end(str(error.status), error.code or "")
         body = orjson.dumps(error_payload(error.status, error.message, error.param, error.code))
         return messages.immediate(error.status, body, {**(error.headers or {}), REQUEST_ID_HEADER: self.request_id})
 
@@ -242,6 +280,8 @@ class Exchange:
             return
         self._first_byte_seen = True
         self._gateway.feedback.first_byte(self._key, self._arrived, self._on_first_byte)
+        if self._span is not None:
+            self._span.first_byte()
 
     def _finish(self) -> None:
         """The answer ended normally (its last body chunk or its trailers)."""

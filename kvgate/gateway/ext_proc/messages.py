@@ -5,7 +5,7 @@ Header and metadata names are the Gateway API Inference Extension's endpoint-pic
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -52,15 +52,17 @@ def subset_hint(request: ProcessingRequest) -> frozenset[str] | None:
     return frozenset(part.strip() for part in value.string_value.split(",") if part.strip())
 
 
-def destination(endpoints: list[str]) -> ProcessingResponse:
+def destination(endpoints: list[str], trace_context: Mapping[str, str] | None = None) -> ProcessingResponse:
     """The answer to the request's headers, and a new route lookup that sees the pick. The header
     holds the pick alone: Envoy's ORIGINAL_DST cluster parses it as one address (a comma-separated
     list fails the request with 503). The `envoy.lb` metadata holds the ordered list, fallbacks
     included, for load-balancing policies that retry on the next (Envoy's override-host policy).
-    The body goes back unchanged, so its length and encoding stand."""
+    The body goes back unchanged, so its length and encoding stand. `trace_context` (traceparent,
+    tracestate) replaces the request's own, so the engine's spans are children of the picker's."""
     metadata = Struct()
     metadata.get_or_create_struct(DESTINATION_NAMESPACE)[DESTINATION_HEADER] = ",".join(endpoints)
-    mutation = HeaderMutation(set_headers=[_header(DESTINATION_HEADER, endpoints[0])])
+    mutation = HeaderMutation(set_headers=[_header(DESTINATION_HEADER, endpoints[0]),
+                                           *(_header(name, value) for name, value in (trace_context or {}).items())])
     return ProcessingResponse(
         request_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation, clear_route_cache=True)),
         dynamic_metadata=metadata,
