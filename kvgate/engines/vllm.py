@@ -56,6 +56,9 @@ class VLLMEngineSpec:
     dev_mode: bool = False
     # LoRA adapters served beside the model, name -> directory (vLLM --enable-lora --lora-modules).
     lora_adapters: dict[str, Path] = field(default_factory=dict)
+    # Where the engine exports its request spans (OTLP over HTTP, e.g. http://127.0.0.1:4318/v1/traces):
+    # a request kvgate forwards carries kvgate's traceparent, so the engine's span joins its trace.
+    otlp_traces_endpoint: str = ""
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -96,6 +99,8 @@ class VLLMEngineSpec:
             argv += ["--kv-events-config", json.dumps(events)]
         if self.lora_adapters:
             argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in self.lora_adapters.items())]
+        if self.otlp_traces_endpoint:
+            argv += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         if self.role != "neutral":
             transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             argv += ["--kv-transfer-config", json.dumps(transfer)]
@@ -113,6 +118,8 @@ class VLLMEngineSpec:
         )
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.otlp_traces_endpoint:  # vLLM exports over gRPC unless told otherwise
+            env.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_SERVICE_NAME="vllm")
         if self.role != "neutral":
             env.update(
                 VLLM_NIXL_SIDE_CHANNEL_HOST=LOOPBACK,
