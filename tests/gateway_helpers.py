@@ -12,9 +12,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.config.settings import InstanceConfig, Settings
-from kvgate.gateway.server import GatewayHandle
+from kvgate.gateway.http.server import GatewayHandle
+from kvgate.gateway.planning.tokenizer import load_tokenizer
 from kvgate.gateway.state import GATEWAY
-from kvgate.gateway.tokenizer import load_tokenizer
 
 
 @functools.cache
@@ -112,8 +112,8 @@ class EmbeddedFleet:
 
     async def __aenter__(self) -> EmbeddedFleet:
         from kvgate.engine_model import ServiceProfile
-        from kvgate.gateway.server import start_gateway
-        from kvgate.gateway.tokenizer import TokenizerService
+        from kvgate.gateway.http.server import start_gateway
+        from kvgate.gateway.planning.tokenizer import TokenizerService
         from kvgate.kvs_client.embedded import EmbeddedKVSIndex
         from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
         from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine

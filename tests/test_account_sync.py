@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvgate.gateway.server import GatewayHandle, start_gateway
+from kvgate.gateway.http.server import GatewayHandle, start_gateway
 from kvgate.processes import free_port
 from tests.gateway_helpers import assert_nothing_in_flight, counter_value, gateway_settings, tokenizer
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
@@ -113,7 +113,7 @@ async def test_redis_killed_mid_run_fails_no_request(tmp_path, caplog):
 
                 statuses = [await ask() for _ in range(20)]
                 assert counter_value(gateway, "kvgate_account_sync_up") == 1
-                with caplog.at_level(logging.WARNING, logger="kvgate.gateway.account_sync"):
+                with caplog.at_level(logging.WARNING, logger="kvgate.gateway.fleet.account_sync"):
                     redis_server.kill()
                     for _ in range(60):  # requests keep flowing while the sync notices and after
                         statuses.append(await ask())

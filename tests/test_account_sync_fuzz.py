@@ -22,7 +22,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from kvgate.gateway.account_sync import KEY_PREFIX, AccountSync
+from kvgate.gateway.fleet.account_sync import KEY_PREFIX, AccountSync
 from kvgate.metrics.definitions import account_sync_metrics
 from kvgate.processes import free_port
 from kvgate.scheduler.account import LocalRows

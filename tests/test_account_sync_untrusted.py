@@ -14,7 +14,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from kvgate.gateway.account_sync import KEY_PREFIX, AccountSync
+from kvgate.gateway.fleet.account_sync import KEY_PREFIX, AccountSync
 from kvgate.metrics.definitions import account_sync_metrics
 from kvgate.scheduler.account import LocalRows
 
@@ -105,7 +105,7 @@ async def test_a_flood_of_keys_is_bounded_per_round_and_logged_once(peers, redis
     _, reader = peers
     store = redis.Redis.from_url(redis_url)
     store.mset({f"{KEY_PREFIX}flood-{i}": b"not json" for i in range(50)})
-    caplog.set_level(logging.INFO, logger="kvgate.gateway.account_sync")
+    caplog.set_level(logging.INFO, logger="kvgate.gateway.fleet.account_sync")
     for _ in range(20):
         await reader.sync.sync_once()
     # At most max_peers (8) values read per round, the rest dropped as one count per round.

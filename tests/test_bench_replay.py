@@ -18,8 +18,8 @@ import pytest
 
 from kvgate.bench.replay import ReplayConfig, format_report, replay_trace
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
-from kvgate.gateway.server import start_gateway
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine

@@ -18,7 +18,7 @@ from kvgate.cli import build_parser, main
 from kvgate.commands.mock_engine import _engine_config
 from kvgate.config.loader import load_settings
 from kvgate.config.settings import Settings
-from kvgate.gateway.tokenizer import TokenizerLoadError, load_tokenizer
+from kvgate.gateway.planning.tokenizer import TokenizerLoadError, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -156,7 +156,7 @@ def test_mock_fleet_wiring_agrees_everywhere():
 
 def gateway_get_routes() -> set[str]:
     """The GET paths kvgate's gateway application really serves (probes and scrapes must use these)."""
-    from kvgate.gateway.app import build_app
+    from kvgate.gateway.http.app import build_app
     from tests.gateway_helpers import gateway_settings, tokenizer
 
     app = build_app(gateway_settings({}, "m"), tokenizer=tokenizer())

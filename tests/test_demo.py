@@ -16,7 +16,7 @@ from kvgate.demo.report import ROWS, format_table
 from kvgate.demo.runner import run_demo
 from kvgate.demo.workload import ConversationWorkload, conversation_requests
 from kvgate.engine_model import ServiceProfile
-from kvgate.gateway.tokenizer import load_tokenizer
+from kvgate.gateway.planning.tokenizer import load_tokenizer
 from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig
 from kvgate.scheduler.hashing import hash_blocks
 from kvgate.scheduler.key_formats import make_key_format

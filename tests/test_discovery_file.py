@@ -15,7 +15,7 @@ import yaml
 
 from kvgate.config import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.settings import DiscoveryName
-from kvgate.gateway.server import GatewayHandle, start_gateway
+from kvgate.gateway.http.server import GatewayHandle, start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import (
     assert_nothing_in_flight,

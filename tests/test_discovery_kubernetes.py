@@ -10,7 +10,7 @@ import socket
 import aiohttp
 import pytest
 
-from kvgate.gateway.server import GatewayHandle, start_gateway
+from kvgate.gateway.http.server import GatewayHandle, start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import (
     assert_nothing_in_flight,

@@ -15,7 +15,7 @@ import yaml
 from kvgate.commands.doctor import diagnose
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.engine_model import ServiceProfile
-from kvgate.gateway.tokenizer import TokenizerService, default_tokenizer_dir, load_tokenizer
+from kvgate.gateway.planning.tokenizer import TokenizerService, default_tokenizer_dir, load_tokenizer
 from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
 from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, start_mock_engine
 from tests.gateway_helpers import tokenizer

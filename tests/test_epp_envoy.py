@@ -16,7 +16,7 @@ pytest.importorskip("grpc", reason="the endpoint picker needs its extra: pip ins
 from kvgate.config.settings import Settings  # noqa: E402 (after the skip)
 from kvgate.gateway.ext_proc.exchange import endpoint_address
 from kvgate.gateway.ext_proc.server import PickerHandle, start_picker
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from tests.envoy_proxy import EnvoyProxy, envoy_binary, running_envoy
 from tests.gateway_helpers import (

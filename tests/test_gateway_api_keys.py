@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.loader import ConfigError, load_settings
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from tests.gateway_helpers import assert_nothing_in_flight, counter_value, gateway_settings, tokenizer
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 

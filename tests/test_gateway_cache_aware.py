@@ -14,8 +14,8 @@ import pytest
 
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.engine_model import ServiceProfile
-from kvgate.gateway.server import start_gateway
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from kvgate.scheduler.router import Scheduler
 from tests.gateway_helpers import assert_nothing_in_flight, tokenizer

@@ -18,8 +18,8 @@ import pytest
 from kvgate.commands.doctor import diagnose
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.engine_model import ServiceProfile
-from kvgate.gateway.server import GatewayHandle, start_gateway
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.http.server import GatewayHandle, start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from tests.conductor_double import ConductorDouble
 from tests.gateway_helpers import assert_nothing_in_flight, closed_port_url, tokenizer

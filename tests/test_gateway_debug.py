@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from kvgate.config.settings import KVSBackendName
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.processes import free_port

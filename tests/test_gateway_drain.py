@@ -13,8 +13,8 @@ import time
 import aiohttp
 import orjson
 
-from kvgate.gateway.drain import DRAIN
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.drain import DRAIN
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client.launch import free_port
 from tests.gateway_helpers import gateway_settings, tokenizer, wait_until

@@ -7,8 +7,8 @@ import asyncio
 import openai
 import pytest
 
-from kvgate.gateway.server import start_gateway
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from tests.gateway_helpers import (
     assert_hang_up_released,

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import InstanceConfig
-from kvgate.gateway.outliers import OutlierDetector
-from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.fleet.outliers import OutlierDetector
+from kvgate.gateway.fleet.registry import InstanceRegistry
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.metrics.definitions import gateway_metrics
 from tests.gateway_helpers import (
@@ -147,7 +147,7 @@ async def test_502_hides_the_engine_body_from_the_client_and_logs_it(opened, cap
     leaky = await ScriptedUpstream("leaky", Script(status=500)).start()
     opened.append(leaky)
     gateway = await start(opened, {"leaky": leaky.url})
-    with caplog.at_level(logging.WARNING, logger="kvgate.gateway.relay"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.gateway.http.relay"):
         async with aiohttp.ClientSession() as session, session.post(
                 gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "p"},
                 headers={"X-Request-Id": "req-42"}) as response:

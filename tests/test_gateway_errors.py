@@ -6,7 +6,7 @@ import aiohttp
 import openai
 import pytest
 
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import (
     assert_nothing_in_flight,

@@ -11,7 +11,7 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from tests.gateway_helpers import (
     assert_nothing_in_flight,
     closed_port_url,

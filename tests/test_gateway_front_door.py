@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kvgate.config.settings import DebugRoutes
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer, wait_until
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream

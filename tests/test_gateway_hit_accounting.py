@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from kvgate.config.settings import Settings
-from kvgate.gateway.hit_accounting import KEYS_DIFFER, STORE_CLAIMS, UNREPORTED, HitAccounting
-from kvgate.gateway.usage import ReportedUsage, UsageTap
+from kvgate.gateway.feedback.hit_accounting import KEYS_DIFFER, STORE_CLAIMS, UNREPORTED, HitAccounting
+from kvgate.gateway.feedback.usage import ReportedUsage, UsageTap
 from kvgate.metrics.definitions import hit_metrics
 from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value
 
@@ -56,7 +56,7 @@ async def test_matching_keys_predict_what_the_engine_reports():
 async def test_an_engine_hashing_otherwise_shows_disagreement_and_a_warning(caplog, hashing):
     engine = ENGINE.model_copy(update=hashing)
     async with EmbeddedFleet(GATEWAY_SETTINGS, {"e0": engine}) as fleet:
-        with caplog.at_level(logging.WARNING, logger="kvgate.gateway.hit_accounting"):
+        with caplog.at_level(logging.WARNING, logger="kvgate.gateway.feedback.hit_accounting"):
             await repeat(fleet, 4)
             await repeat(fleet, 4)  # the same finding again within the interval: no second line
         assert counter_value(fleet.gateway, "kvgate_predicted_cached_tokens_total", instance="e0") == 0
@@ -118,7 +118,7 @@ def test_each_cause_is_named_and_rate_limited(caplog):
 
     clock = FakeClock()
     hits = HitAccounting(hit_metrics(CollectorRegistry()), CHUNK, log_interval_s=60, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="kvgate.gateway.hit_accounting"):
+    with caplog.at_level(logging.WARNING, logger="kvgate.gateway.feedback.hit_accounting"):
         for _ in range(3):
             hits.record("a", 64, 64, ReportedUsage(70, 0), "r-a")
             hits.record("b", 64, 64, ReportedUsage(70, None), "r-b")
@@ -135,8 +135,8 @@ def test_each_cause_is_named_and_rate_limited(caplog):
 
 
 def test_usage_is_asked_only_when_the_client_did_not():
+    from kvgate.gateway.feedback.usage import stream_options_asking_usage
     from kvgate.gateway.protocol import parse_completion
-    from kvgate.gateway.usage import stream_options_asking_usage
 
     def asked(body: dict):
         return stream_options_asking_usage(parse_completion(orjson.dumps({"model": MODEL, "prompt": "x", **body})))

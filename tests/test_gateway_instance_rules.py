@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from kvgate.config.loader import ConfigError, load_settings
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from tests.gateway_helpers import gateway_settings, tokenizer
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 

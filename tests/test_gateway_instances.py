@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from kvgate.gateway.engine_stats import parse_engine_stats
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.fleet.engine_stats import parse_engine_stats
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.scheduler.types import EngineStats
 from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer, wait_until

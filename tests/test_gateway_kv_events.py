@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from kvgate.config.settings import InstanceConfig, KVSBackendName
-from kvgate.gateway.server import start_gateway
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.scheduler.hashing import BlockExtras
 from kvgate.scheduler.router import Scheduler

@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.config.settings import InstanceConfig, PDProtocol
 from kvgate.demo.fleet import FleetSpec, PrfaasSpec, free_port, gateway_settings, start_engines
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.mock_engine.server import MockEngineConfig

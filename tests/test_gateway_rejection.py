@@ -7,7 +7,7 @@ import aiohttp
 import openai
 import pytest
 
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from tests.gateway_helpers import assert_nothing_in_flight, counter_value, gateway_settings, tokenizer
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 

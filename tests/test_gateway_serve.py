@@ -82,7 +82,7 @@ def test_serve_answers_until_sigterm(tmp_path):
 def test_tune_gc_freezes_start_up_objects_and_raises_the_young_threshold():
     import gc
 
-    from kvgate.gateway.server import GC_YOUNG_THRESHOLD, tune_gc
+    from kvgate.gateway.core import GC_YOUNG_THRESHOLD, tune_gc
 
     threshold = gc.get_threshold()
     try:

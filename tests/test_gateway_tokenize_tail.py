@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from kvgate.config.settings import Settings, TokenizeTail
-from kvgate.gateway.prompt_encoding import PromptEncoding
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.prompt_encoding import PromptEncoding
+from kvgate.gateway.planning.tokenizer import BACKGROUND_MAX_PENDING, PromptTooLong, TokenizerService
 from kvgate.gateway.state import GATEWAY
-from kvgate.gateway.tokenizer import BACKGROUND_MAX_PENDING, PromptTooLong, TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from tests.gateway_helpers import (
     EmbeddedFleet,
@@ -152,7 +152,7 @@ async def test_background_completions_are_bounded_and_failures_logged(service, c
 
     # A failing completion is logged and counted, and frees its place.
     broken = PromptEncoding("xy", ["x", None], [], [1], 0, encoded_segments=1, encoded_chars=1)  # type: ignore[list-item]
-    with caplog.at_level(logging.ERROR, logger="kvgate.gateway.tokenizer"):
+    with caplog.at_level(logging.ERROR, logger="kvgate.gateway.planning.tokenizer"):
         assert service.complete_in_background(broken, outcomes.append)
         await wait_until(lambda: len(outcomes) == BACKGROUND_MAX_PENDING + 1)
     assert outcomes[-1] == "failed" and "background tokenization" in caplog.text

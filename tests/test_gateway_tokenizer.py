@@ -13,8 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.protocol import add_special_tokens
-from kvgate.gateway.tokenizer import (
+from kvgate.gateway.planning.tokenizer import (
     INLINE_MAX_CHARS,
     LONG_PROMPT_CHARS,
     ChatTemplateError,
@@ -23,6 +22,7 @@ from kvgate.gateway.tokenizer import (
     default_tokenizer_dir,
     load_tokenizer,
 )
+from kvgate.gateway.protocol import add_special_tokens
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_a_segment_over_an_eighth_of_the_cache_is_not_cached(tokenizer):
 
 
 def test_prompts_over_max_tokens_are_refused_before_and_after_encoding(tokenizer):
-    from kvgate.gateway.tokenizer import PromptTooLong
+    from kvgate.gateway.planning.tokenizer import PromptTooLong
 
     svc = TokenizerService(tokenizer)
     text = "hello " * 1000
@@ -245,7 +245,7 @@ def test_the_prompt_limit_comes_from_the_flag_the_instances_or_the_tokenizer():
     from types import SimpleNamespace
 
     from kvgate.config.settings import InstanceConfig
-    from kvgate.gateway.prompt_limit import FALLBACK_MAX_PROMPT_TOKENS, PromptLimit
+    from kvgate.gateway.planning.prompt_limit import FALLBACK_MAX_PROMPT_TOKENS, PromptLimit
 
     instances = [InstanceConfig(id="a", url="http://127.0.0.1:1", model="m", max_model_len=8192),
                  InstanceConfig(id="b", url="http://127.0.0.1:2", model="m", max_model_len=32768),

@@ -17,10 +17,10 @@ import pytest
 from aiohttp import web
 
 from kvgate.config.settings import InstanceConfig, Settings
-from kvgate.gateway.engine_stats import parse_engine_stats
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.feedback.usage import reported_usage
+from kvgate.gateway.fleet.engine_stats import parse_engine_stats
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
-from kvgate.gateway.usage import reported_usage
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.scheduler.types import EngineStats
 from tests.engine_double import MODEL, EngineDouble, chunk, completion, stream, whole

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from kvgate.config.loader import load_settings
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import (
     assert_nothing_in_flight,

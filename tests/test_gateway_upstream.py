@@ -1,4 +1,4 @@
-"""The gateway's upstream client (kvgate/gateway/upstream.py) against servers on loopback that send
+"""The gateway's upstream client (kvgate/gateway/http/upstream.py) against servers on loopback that send
 exact bytes: every HTTP/1.1 framing an engine may use, keep-alive reuse and its limits, timeouts,
 and broken answers. Each case runs on asyncio's loop and on uvloop (what `kvgate serve` runs)."""
 
@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import uvloop
 
-from kvgate.gateway.upstream import Endpoint, UpstreamError, UpstreamPool
+from kvgate.gateway.http.upstream import Endpoint, UpstreamError, UpstreamPool
 from tests.gateway_helpers import closed_port_url
 
 # Request bytes -> what to send back, in order: bytes, b"sleep:S", b"wait-eof" (until the client

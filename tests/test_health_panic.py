@@ -6,8 +6,8 @@ import openai
 import pytest
 
 from kvgate.config.settings import InstanceConfig, InstanceRole
-from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.fleet.registry import InstanceRegistry
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import (
     assert_nothing_in_flight,

@@ -7,7 +7,7 @@ import pytest
 from kvgate.commands.doctor import diagnose
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.engine_model import ServiceProfile
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import DEFAULT_MODEL, MockEngineConfig, start_mock_engine
 from kvgate.processes import free_port
 from tests.gateway_helpers import tokenizer

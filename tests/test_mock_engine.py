@@ -91,7 +91,7 @@ async def test_long_prompts_queue_behind_each_other(engine_factory):
 
 async def test_chat_role_chunk_waits_for_the_prefill():
     """As vLLM, nothing is streamed before the first token: gateways read the first chunk as it."""
-    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
     tokenizer = TokenizerService(load_tokenizer(), 64)
     handle = await start_mock_engine(MockEngineConfig(time_scale=2.0), tokenizer=tokenizer)
@@ -112,7 +112,7 @@ async def test_chat_role_chunk_waits_for_the_prefill():
 
 
 async def test_openai_client_completions_and_chat(engine_factory):
-    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
     tokenizer = TokenizerService(load_tokenizer(), 64)
     handle = await start_mock_engine(MockEngineConfig(time_scale=0.1), tokenizer=tokenizer)
@@ -348,7 +348,7 @@ def test_command_serves_text_and_chat_then_stops_on_sigterm():
 
 async def test_tokenize_answers_as_vllm_with_the_gateways_ids():
     """vllm-router's cache_aware policy asks workers for ids via POST /tokenize."""
-    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
     tokenizer = TokenizerService(load_tokenizer(), 64)
     handle = await start_mock_engine(MockEngineConfig(time_scale=0.0), tokenizer=tokenizer)

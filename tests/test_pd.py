@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from kvgate.config.settings import InstanceConfig, Settings
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.gateway.state import GATEWAY
-from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.pd import PDRole
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle, start_mock_engine
 from tests.gateway_helpers import (
@@ -242,7 +242,7 @@ def test_a_gateway_refuses_prefill_and_decode_instances_without_a_protocol(tmp_p
     assert "pd_protocol is not set" in capsys.readouterr().err
     assert main(["serve", "--config", str(config), "--pd-protocol", "vllm", "--check-config"]) == 0
     with pytest.raises(ValueError, match="pd_protocol is not set"):
-        from kvgate.gateway.app import build_app
+        from kvgate.gateway.http.app import build_app
 
         build_app(Settings.model_validate({"instances": [instance("p", "http://127.0.0.1:1", "prefill"),
                                                          instance("d", "http://127.0.0.1:2", "decode")]}),
@@ -377,7 +377,7 @@ async def test_a_502_hides_the_prefill_engines_body_from_the_client_and_logs_it(
         settings("vllm", [instance("p-leaky", leaky.url, "prefill"), instance("d0", decode.url, "decode")]),
         tokenizer=tokenizer())
     try:
-        with caplog.at_level(logging.WARNING, logger="kvgate.gateway.relay"):
+        with caplog.at_level(logging.WARNING, logger="kvgate.gateway.http.relay"):
             async with aiohttp.ClientSession() as session, session.post(
                     gateway.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
                     headers={"X-Request-Id": "pd-req-7"}) as response:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvgate.gateway.tokenizer import default_tokenizer_dir
+from kvgate.gateway.planning.tokenizer import default_tokenizer_dir
 from kvgate.scheduler.hashing import hash_blocks
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("opentelemetry.sdk", reason="tracing needs its extra: pip in
 
 from kvgate.config.loader import load_settings  # noqa: E402 (after the skip)
 from kvgate.config.settings import Settings
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.gateway.tracing import names
 from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, gateway_settings, tokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.config import InstanceConfig
-from kvgate.gateway.registry import RegistryError
+from kvgate.gateway.fleet.registry import RegistryError
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.types import EngineStats, InstanceLoad
 from kvgate.workers.shared_registry import SharedRegistry

@@ -24,7 +24,7 @@ import yaml
 
 from kvgate.bench.dashboard import dashboard_fleet, exercise, load_panels
 from kvgate.demo.fleet import free_port
-from kvgate.gateway.tokenizer import load_tokenizer
+from kvgate.gateway.planning.tokenizer import load_tokenizer
 from kvgate.kvs_client.launch import start_redis_server
 
 ROOT = Path(__file__).resolve().parents[2]

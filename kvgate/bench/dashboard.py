@@ -22,7 +22,7 @@ import aiohttp
 
 from kvgate.config.settings import InstanceConfig, PDProtocol, Settings
 from kvgate.demo.fleet import FleetSpec, KVEventsSpec, PrfaasSpec, free_port, gateway_settings, start_engines
-from kvgate.gateway.server import GatewayHandle, start_gateway
+from kvgate.gateway.http.server import GatewayHandle, start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.mock_engine.server import MockEngineConfig, MockEngineHandle
 

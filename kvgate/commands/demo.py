@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.engines == "vllm":
         return _run_real(args, requests, started)
-    from kvgate.gateway.tokenizer import load_tokenizer
+    from kvgate.gateway.planning.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()  # the gateway's; the demo's prompts are token ids
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
@@ -225,7 +225,7 @@ def _run_real(args: argparse.Namespace, requests: list[ReplayRequest], started: 
     from kvgate.engines.install import EnginesMissing, vllm_venv
     from kvgate.engines.model import tiny_model
     from kvgate.engines.vllm import vllm_fleet
-    from kvgate.gateway.tokenizer import load_tokenizer
+    from kvgate.gateway.planning.tokenizer import load_tokenizer
 
     home = engines_home()
     venv = vllm_venv(home)

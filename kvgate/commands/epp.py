@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate epp: {exc}", file=sys.stderr)
         return 2
     # Imported after validation: grpc, aiohttp and transformers are not needed to reject a config.
-    from kvgate.gateway.tokenizer import TokenizerLoadError, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerLoadError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)

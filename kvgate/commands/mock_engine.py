@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: PublisherOptions) -> None:
-    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

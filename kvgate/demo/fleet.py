@@ -24,7 +24,7 @@ from kvgate.config.settings import (
     PDProtocol,
     Settings,
 )
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
 from kvgate.mock_engine.kv_event_wire import EventEncoding, HashFormat

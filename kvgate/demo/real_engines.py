@@ -20,7 +20,7 @@ from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.demo.runner import POLICIES, PolicyRun, replay_through, scheduled_requests
 from kvgate.engines.model import TINY_MODEL_NAME
 from kvgate.engines.vllm import VLLMEngine, VLLMEngineSpec, parse_metric_sums
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 
 # The bundled conversations' longest prompt is ~7,200 tokens.
 MAX_MODEL_LEN = 8192

@@ -5,7 +5,7 @@ added through the admin routes are never touched, and a discovered instance whos
 taken by one of those is refused (logged and counted) rather than replacing it. An instance whose
 configuration changed (a relabelled pod: new role or model) is removed and added again; its
 requests already sent finish normally. Every change goes through `FleetControl`, in the gateway the
-same functions the admin routes call (kvgate/gateway/fleet.py).
+same functions the admin routes call (kvgate/gateway/fleet/changes.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,28 +22,28 @@ from prometheus_client import CollectorRegistry
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
 from kvgate.discovery import start_discovery
-from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth_failures import AuthFailureBudget
 from kvgate.gateway.background import every
-from kvgate.gateway.engine_context import EngineContextProbe
-from kvgate.gateway.engine_stats import EngineStatsPoller
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.feedback import DispatchFeedback
-from kvgate.gateway.fleet import GatewayFleet
-from kvgate.gateway.health import HealthChecker
-from kvgate.gateway.hit_accounting import HitAccounting
-from kvgate.gateway.inflight import InflightTracker
-from kvgate.gateway.outliers import OutlierDetector
-from kvgate.gateway.prfaas import PrfaasLink
-from kvgate.gateway.prompt_limit import PromptLimit
-from kvgate.gateway.prompt_window import PromptWindow
+from kvgate.gateway.feedback.dispatch import DispatchFeedback
+from kvgate.gateway.feedback.hit_accounting import HitAccounting
+from kvgate.gateway.feedback.prfaas import PrfaasLink
+from kvgate.gateway.feedback.ttft import TTFTFeedback
+from kvgate.gateway.fleet.account_sync import AccountSync
+from kvgate.gateway.fleet.changes import GatewayFleet
+from kvgate.gateway.fleet.engine_context import EngineContextProbe
+from kvgate.gateway.fleet.engine_stats import EngineStatsPoller
+from kvgate.gateway.fleet.health import HealthChecker
+from kvgate.gateway.fleet.inflight import InflightTracker
+from kvgate.gateway.fleet.outliers import OutlierDetector
+from kvgate.gateway.fleet.registry import InstanceRegistry
+from kvgate.gateway.planning.prompt_limit import PromptLimit
+from kvgate.gateway.planning.prompt_window import PromptWindow
+from kvgate.gateway.planning.routing import RoutePlan, RoutePlanner
+from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.protocol import ParsedRequest
-from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.routing import RoutePlan, RoutePlanner
 from kvgate.gateway.state import Gateway
-from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.tracing import start_tracing
-from kvgate.gateway.ttft_feedback import TTFTFeedback
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient, make_kvs_client
 from kvgate.kvs_client.events import events_enabled
 from kvgate.kvs_client.events.index import EventsIndex
@@ -227,3 +228,23 @@ async def running_fleet(gateway: Gateway, front_door_jobs: Sequence[Job] = ()) -
         gateway.tokenizer.close()
         if gateway.tracing is not None:  # last: the front door's requests have ended their spans
             await gateway.tracing.close()
+
+
+# Young-generation threshold of the gateway process (CPython's default is 700). Answered requests
+# leave no reference cycles (checked for whole, streamed, retried and refused ones; only a pydantic
+# refusal leaves one), so young collections free next to nothing; but at concurrency 32 the requests
+# in flight alone hold ~2,000 tracked objects, and with 700 a young collection ran every few
+# requests, walked them all and promoted them: 0.25 ms each, ~6 us per request on average.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """For a process that only serves, called once everything is loaded. Freezing takes the ~110,000
+    objects of start-up (transformers' modules, the tokenizer and its vocabulary) out of the
+    collector's sight: a full collection walked them in 55 ms, a pause every request in flight
+    waited through, and takes well under a millisecond without them. The raised young threshold is
+    explained at GC_YOUNG_THRESHOLD."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)

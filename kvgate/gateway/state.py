@@ -11,14 +11,13 @@ from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth_failures import AuthFailureBudget
-from kvgate.gateway.feedback import DispatchFeedback
-from kvgate.gateway.forwarder import Forwarder
-from kvgate.gateway.hit_accounting import HitAccounting
-from kvgate.gateway.inflight import InflightTracker
-from kvgate.gateway.prfaas import PrfaasLink
-from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.routing import RoutePlanner
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.feedback.dispatch import DispatchFeedback
+from kvgate.gateway.feedback.hit_accounting import HitAccounting
+from kvgate.gateway.feedback.prfaas import PrfaasLink
+from kvgate.gateway.fleet.inflight import InflightTracker
+from kvgate.gateway.fleet.registry import InstanceRegistry
+from kvgate.gateway.planning.routing import RoutePlanner
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.events.view import EventsView
 from kvgate.metrics.definitions import GatewayMetrics
@@ -56,7 +55,6 @@ class Gateway:
     prfaas: PrfaasLink | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     # The HTTP front door's, set when its application starts (it needs the running loop).
-    forwarder: Forwarder | None = None
     # One worker of several (`kvgate serve --workers N`): the memory it shares with the others.
     shared: WorkerShare | None = None
     # The engines' KV events index (docs/KV_EVENTS.md); None when no instance publishes events.

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from kvgate.config.settings import InstanceConfig
-    from kvgate.gateway.registry import InstanceRegistry
+    from kvgate.gateway.fleet.registry import InstanceRegistry
     from kvgate.scheduler.account import AccountRows
 
 

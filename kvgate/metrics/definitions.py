@@ -223,7 +223,7 @@ def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
     )
 
 
-# --- client API keys (gateway/auth.py) ---
+# --- client API keys (gateway/http/auth.py) ---
 @dataclass(frozen=True)
 class ClientKeyMetrics:
     requests: Counter  # key (the key's name, never the key), outcome: accepted | rate_limited | inflight_limited
@@ -244,7 +244,7 @@ def client_key_metrics(registry: CollectorRegistry) -> ClientKeyMetrics:
     )
 
 
-# --- closed-loop hit accounting: predicted vs engine-reported cached tokens (gateway/hit_accounting.py) ---
+# --- closed-loop hit accounting: predicted vs engine-reported cached tokens (gateway/feedback/hit_accounting.py) ---
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
     )
 
 
-# --- Prefill-as-a-Service: the cluster rule's state (scheduler/prfaas.py, gateway/prfaas.py) ---
+# --- Prefill-as-a-Service: the cluster rule's state (scheduler/prfaas.py, gateway/feedback/prfaas.py) ---
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,7 @@ def prfaas_metrics(registry: CollectorRegistry) -> PrfaasMetrics:
     )
 
 
-# --- tokenizing only what routing needs (gateway/prompt_window.py, --tokenize-tail estimate) ---
+# --- tokenizing only what routing needs (gateway/planning/prompt_window.py, --tokenize-tail estimate) ---
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
-from kvgate.gateway.chat_inputs import chat_template_inputs
 from kvgate.gateway.errors import APIError, error_middleware
+from kvgate.gateway.planning.chat_inputs import chat_template_inputs
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_response
-from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_token_ids, generated_words

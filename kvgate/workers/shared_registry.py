@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvgate.config.settings import InstanceConfig
-from kvgate.gateway.registry import InstanceRegistry, InstanceState, LoraAdapter, RegistryError, RegistryFull
+from kvgate.gateway.fleet.registry import (
+    InstanceRegistry,
+    InstanceState,
+    LoraAdapter,
+    RegistryError,
+    RegistryFull,
+)
 from kvgate.workers.shared_table import DRAINING, EJECTED, SharedTable, TableFull
 
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvgate.gateway.registry import InstanceRegistry
+from kvgate.gateway.fleet.registry import InstanceRegistry
 from kvgate.workers.shared_rows import SharedRows
 
 _FROM_SHARED_STATE = {

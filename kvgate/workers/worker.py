@@ -11,7 +11,7 @@ from multiprocessing.synchronize import Event
 from aiohttp import web
 
 from kvgate.config.settings import Settings
-from kvgate.gateway.registry import InstanceRegistry
+from kvgate.gateway.fleet.registry import InstanceRegistry
 from kvgate.processes import die_with
 from kvgate.workers.shared_registry import SharedRegistry
 from kvgate.workers.shared_rows import SharedRows
@@ -72,11 +72,11 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s worker-{spec.index} %(name)s: %(message)s")
     _read_pid_once_for_metrics()
-    from kvgate.gateway.server import run_gateway
-    from kvgate.gateway.tokenizer import load_tokenizer
+    from kvgate.gateway.http.server import run_gateway
+    from kvgate.gateway.planning.tokenizer import load_tokenizer
 
     if settings.access_log:
-        from kvgate.gateway.access_log import configure_logger
+        from kvgate.gateway.http.access_log import configure_logger
 
         configure_logger()
     tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)

@@ -27,8 +27,8 @@ from kvgate.doctor.probes import PROBE_CHAT, PROBE_TOOLS
 from kvgate.doctor.results import CheckResult
 from kvgate.engines.model import TINY_LORA_NAME, tiny_lora_dir
 from kvgate.engines.vllm import VLLMEngine
-from kvgate.gateway.server import start_gateway
-from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 from kvgate.kvs_client.events.base import BlocksStored
 from kvgate.kvs_client.events.keys import key_of
 from kvgate.kvs_client.events.vllm import VllmDecoder

@@ -18,8 +18,8 @@ import pytest
 
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TEXT, PROBE_TOOLS
-from kvgate.gateway.chat_inputs import chat_template_inputs
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.chat_inputs import chat_template_inputs
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import assert_nothing_in_flight, wait_until
 from tests.otlp_receiver import OTLPReceiver

@@ -30,13 +30,12 @@ from yarl import URL
 from kvgate.gateway.core import plan_admitted
 from kvgate.gateway.errors import APIError, error_payload
 from kvgate.gateway.ext_proc import messages
-from kvgate.gateway.observe import CLIENT_CLOSED, client_request_id
+from kvgate.gateway.feedback.usage import UsageTap, events_end, stream_options_asking_usage
+from kvgate.gateway.operations.observe import CLIENT_CLOSED, REQUEST_ID_HEADER, client_request_id
+from kvgate.gateway.planning.routing import RoutePlan
 from kvgate.gateway.protocol import ParsedRequest, parse_chat, parse_completion
-from kvgate.gateway.relay import REQUEST_ID_HEADER, events_end
-from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import Gateway
 from kvgate.gateway.tracing import names
-from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 
 if TYPE_CHECKING:
     from kvgate.gateway.tracing.spans import AttemptSpan, RequestTrace

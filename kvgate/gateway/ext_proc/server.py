@@ -25,12 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvgate.config.settings import Settings
-from kvgate.gateway.app import add_operational_routes
-from kvgate.gateway.core import build_gateway, running_fleet
+from kvgate.gateway.core import build_gateway, running_fleet, tune_gc
 from kvgate.gateway.errors import error_middleware
 from kvgate.gateway.ext_proc.exchange import Exchange
-from kvgate.gateway.observe import observe_middleware, request_ids
-from kvgate.gateway.server import tune_gc
+from kvgate.gateway.operations.observe import observe_middleware, request_ids
+from kvgate.gateway.operations.routes import add_operational_routes
 from kvgate.gateway.state import GATEWAY, Gateway
 from kvgate.kvs_client import EmbeddedKVSIndex
 

@@ -23,8 +23,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from yarl import URL
 
+from kvgate.gateway.planning.routing import RoutePlan
 from kvgate.gateway.protocol import ParsedRequest
-from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.tracing import names
 from kvgate.gateway.tracing.provider import Tracing
 
