@@ -63,7 +63,10 @@ class RouterProcess:
 @dataclass(frozen=True)
 class Engine:
     url: str
-    kvs_endpoint: str  # the endpoint it claims its blocks under in Redis
+    kvs_endpoint: str  # the endpoint it claims its blocks under in Redis ("" : it publishes to no store)
+    kv_events_endpoint: str = ""  # where a subscriber connects for its KV events ("": it publishes none)
+    kv_events_replay_endpoint: str = ""
+    max_model_len: int | None = None  # real engines: their --max-model-len
 
 
 @contextlib.contextmanager
@@ -76,9 +79,15 @@ def mock_engines(config: RoutersConfig, redis_url: str, log_dir: Path) -> Iterat
                            "--kvs-backend", "redis", "--kvs-redis-url", redis_url, "--kvs-local-ip", endpoint)
         if config.tokenizer:
             argv += ["--tokenizer", config.tokenizer]
-        argv += ["--cache-capacity-blocks", str(config.cache_capacity_blocks)]
+        argv += ["--cache-capacity-blocks", str(config.cache_capacity_blocks),
+                 "--store-segment-blocks", str(config.store_segment_blocks)]
+        # Every engine publishes its KV events as vLLM does (bound on every interface, reached on
+        # loopback), whether or not the target reads them: the engines' work is the same for all.
+        events_port, replay_port = free_port(), free_port()
+        argv += ["--kv-events-endpoint", f"tcp://*:{events_port}",
+                 "--kv-events-replay-endpoint", f"tcp://*:{replay_port}"]
         url = f"http://127.0.0.1:{port}"
-        engines.append(Engine(url, endpoint))
+        engines.append(Engine(url, endpoint, f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"))
         specs.append((argv, log_dir / f"engine-{i}-{port}.log", url, f"mock engine {i}"))
     with _processes(specs):
         yield engines
@@ -98,21 +107,32 @@ def instant_backends(count: int, log_dir: Path) -> Iterator[list[Engine]]:
 
 
 def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: str, tokenizer: str,
-                  workers: int = 1, cache_aware_min_tokens: int | None = None) -> dict:
-    """The gateway's YAML settings: the engines as instances, their Redis endpoints as kvs_endpoints."""
+                  workers: int = 1, cache_aware_min_tokens: int | None = None, view: str = "store",
+                  model: str = MODEL) -> dict:
+    """The gateway's YAML settings: the engines as instances, with their Redis endpoints as
+    kvs_endpoints when the view reads the store, their KV events endpoints when it reads events."""
+    store, events = view in ("store", "both"), view in ("events", "both")
+    instances = []
+    for i, e in enumerate(engines):
+        instance: dict = {"id": f"engine-{i}", "url": e.url, "model": model}
+        if store and e.kvs_endpoint:
+            instance["kvs_endpoints"] = [e.kvs_endpoint]
+        if events and e.kv_events_endpoint:
+            instance["kv_events_endpoint"] = e.kv_events_endpoint
+            instance["kv_events_replay_endpoint"] = e.kv_events_replay_endpoint
+        if e.max_model_len:
+            instance["max_model_len"] = e.max_model_len
+        instances.append(instance)
     config: dict = {
         "host": "127.0.0.1",
         "port": port,
         "workers": workers,
         "dispatch_policy": policy,
-        "kvs_backend": "redis",
-        "kvs_redis_url": redis_url,
-        "instances": [
-            {"id": f"engine-{i}", "url": e.url, "model": MODEL,
-             "kvs_endpoints": [e.kvs_endpoint] if e.kvs_endpoint else []}
-            for i, e in enumerate(engines)
-        ],
+        "kvs_backend": "redis" if store else "kv_events",
+        "instances": instances,
     }
+    if store:
+        config["kvs_redis_url"] = redis_url
     if tokenizer:
         config["tokenizer"] = tokenizer
     if cache_aware_min_tokens is not None:
@@ -148,7 +168,8 @@ def pinned(cpus: set[int] | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment, redis_url: str,
-           tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None) -> Iterator[RouterProcess]:
+           tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None,
+           model: str = MODEL) -> Iterator[RouterProcess]:
     """The target in front of `engines`, on `cpus` if given."""
     if target.router == DIRECT:
         yield RouterProcess(engines[0].url, None)
@@ -159,7 +180,8 @@ def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment
     if target.router == KVGATE:
         config_path = log_dir / f"{slug}.yaml"
         min_tokens = OVERHEAD_CACHE_AWARE_MIN_TOKENS if phase == "overhead" else None
-        config = kvgate_config(target.policy, port, engines, redis_url, tokenizer, target.workers, min_tokens)
+        config = kvgate_config(target.policy, port, engines, redis_url, tokenizer, target.workers, min_tokens,
+                               target.view, model)
         config_path.write_text(yaml.safe_dump(config))
         argv = _kvgate_cli("serve", "--config", str(config_path), "--log-level", "WARNING")
     else:

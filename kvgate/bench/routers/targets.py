@@ -20,26 +20,40 @@ ENGINE_BLOCK_TOKENS = Settings().kvs_chunk_size
 OVERHEAD_CACHE_AWARE_MIN_TOKENS = 256
 
 
+# What a kvgate target routes on: the store index the engines publish to (Redis), the engines' own
+# KV events, or both (each instance's hit is the longer of the two; docs/KV_EVENTS.md).
+VIEWS = ("store", "events", "both")
+ENGINE_KINDS = ("mock", "vllm")
+
+
 @dataclass(frozen=True)
 class Target:
     router: str  # kvgate | sglang-router | vllm-router | direct
     policy: str = ""
     workers: int = 1  # kvgate only: `kvgate serve --workers`
+    view: str = "store"  # kvgate only: one of VIEWS
 
     @property
     def label(self) -> str:
-        workers = f" x{self.workers}" if self.router == KVGATE and self.workers != 1 else ""
-        return f"{self.router} {self.policy}{workers}".strip()
+        if self.router != KVGATE:
+            return f"{self.router} {self.policy}".strip()
+        workers = f" x{self.workers}" if self.workers != 1 else ""
+        return f"{self.router} {self.policy}@{self.view}{workers}"
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """router[:policy], or kvgate:policy:workers."""
+        """router[:policy], or kvgate:policy[@view][:workers] (view: store, the default, events or both)."""
         router, _, policy = text.partition(":")
         policy, _, workers = policy.partition(":")
+        policy, at, view = policy.partition("@")
         if workers and router != KVGATE:
             raise ValueError(f"{text!r}: only kvgate takes a worker count")
         if workers and (not workers.isdigit() or int(workers) < 1):
             raise ValueError(f"{text!r}: the worker count must be a positive integer")
+        if at and router != KVGATE:
+            raise ValueError(f"{text!r}: only kvgate takes a cache view (@store, @events, @both)")
+        if at and view not in VIEWS:
+            raise ValueError(f"{text!r}: the cache view must be one of {list(VIEWS)}")
         if router == DIRECT:
             return cls(DIRECT)
         if router not in (KVGATE, *peers.PEER_VERSIONS):
@@ -48,13 +62,17 @@ class Target:
         policies = list(POLICY_NAMES) if router == KVGATE else list(peers.PEER_POLICIES)
         if policy not in policies:
             raise ValueError(f"{text!r}: policy must be one of {policies}")
-        return cls(router, policy, int(workers or 1))
+        return cls(router, policy, int(workers or 1), view or "store")
 
     def with_workers(self, counts: tuple[int, ...]) -> list[Target]:
         """kvgate once per worker count; any other target as it is."""
         if self.router != KVGATE:
             return [self]
-        return [Target(self.router, self.policy, count) for count in counts]
+        return [Target(self.router, self.policy, count, self.view) for count in counts]
+
+    @property
+    def reads_store(self) -> bool:
+        return self.router == KVGATE and self.view in ("store", "both")
 
 
 DEFAULT_TARGETS = (
@@ -90,6 +108,22 @@ class RoutersConfig:
     # Replay phase: routers on their own core(s), engines and the load generator on the others,
     # so no router's CPU work slows the engines' simulated clocks (see cpu_split).
     pin_cpus: bool = True
+    # Mock engines: their own DRAM store segment behind the cache, in blocks (0: none, the store
+    # index mirrors the cache; larger than cache_capacity_blocks: the store knows more than the events).
+    store_segment_blocks: int = 0
+    # mock: `kvgate mock-engine` processes, fresh per target. vllm: real vLLM engines (the tiny
+    # model, one core each), started once; their prefix caches are reset between targets.
+    engines_kind: str = "mock"
+    # Trace prompts cut to this many tokens (their leading blocks), e.g. for engines on CPU; None: whole.
+    max_prompt_tokens: int | None = None
+
+    @property
+    def model(self) -> str:
+        if self.engines_kind == "vllm":
+            from kvgate.engines.model import TINY_MODEL_NAME
+
+            return TINY_MODEL_NAME
+        return MODEL
 
 
 @dataclass
@@ -101,6 +135,9 @@ class TargetResult:
     ttfts_s: tuple[float, ...] = ()
     # Prompt tokens each engine was asked to compute (its vllm:prefix_cache_queries counter): the spread.
     engine_prompt_tokens: tuple[int, ...] = ()
+    # The engines' own hit ratio over the target's replay: the rise of vllm:prefix_cache_hits over that
+    # of vllm:prefix_cache_queries (real engines: what they really reused).
+    engine_hit_ratio: float | None = None
     # kvgate only: mean milliseconds per request in each gateway stage (tokenize, kvs, schedule).
     gateway_stage_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
