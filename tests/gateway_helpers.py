@@ -140,3 +140,8 @@ class EmbeddedFleet:
             await self.gateway.close()
         for engine in self.engines.values():
             await engine.close()
+
+
+def gateway_records(caplog) -> list:
+    """The log records of the gateway's own code and its HTTP server (not the test clients' loops)."""
+    return [r for r in caplog.records if r.name.startswith(("kvgate", "aiohttp"))]

@@ -68,9 +68,12 @@ async def test_v1_needs_a_valid_key_and_engines_never_see_it(upstream, keys_file
                     assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
                 async with session.post(handle.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}) as r:
                     assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
-                for path in ("/health", "/livez", "/metrics"):  # not behind client keys
+                for path in ("/health", "/livez"):  # not behind client keys
                     async with session.get(handle.url + path) as r:
                         assert r.status == 200
+                # With keys, debug routes default to the admin token (none configured here: 404).
+                async with session.get(handle.url + "/metrics") as r:
+                    assert r.status == 404
             for key in (KEY_A, KEY_B):
                 answer = await client(handle.url, key).completions.create(model=MODEL, prompt="hi")
                 assert answer.choices[0].text.startswith("a-")
@@ -119,7 +122,7 @@ async def test_rate_limit_answers_429_with_retry_after(upstream, keys_file):
 async def test_inflight_cap_per_key(upstream, keys_file):
     upstream.script.chunks, upstream.script.delay_s = 20, 0.05
     handle = await start_gateway(gateway_settings({"a": upstream.url}, MODEL, api_keys_file=keys_file,
-                                                  api_key_max_inflight=1), tokenizer=tokenizer())
+                                                  api_key_max_inflight=1, debug_routes="public"), tokenizer=tokenizer())
     try:
         a = client(handle.url, KEY_A)
         stream = await a.completions.create(model=MODEL, prompt="hi", stream=True)

@@ -231,8 +231,9 @@ async def _until(predicate: Callable[[], bool]) -> None:
 
 def test_endpoint_parsing():
     assert Endpoint.parse("http://10.0.0.1:8000/") == Endpoint("10.0.0.1", 8000, False, "", "10.0.0.1:8000")
+    # The URL's credentials are sent as basic auth, as the health checks send them.
     assert Endpoint.parse("https://user:pw@engine.local/prefix/") == Endpoint(
-        "engine.local", 443, True, "/prefix", "engine.local")
+        "engine.local", 443, True, "/prefix", "engine.local", "Authorization: Basic dXNlcjpwdw==\r\n")
     assert Endpoint.parse("http://[::1]:81").host == "::1"
     with pytest.raises(ValueError):
         Endpoint.parse("ftp://x")

@@ -195,6 +195,32 @@ async def test_an_engine_that_dies_and_comes_back_starts_over(fleet, engines):
     assert fleet.state("e0") == FeedState.SYNCED
 
 
+async def test_a_restart_after_a_replay_is_still_a_restart(fleet, engines):
+    """The replay at joining covered batches 0..2; later, a restarted engine numbers from 0 again:
+    its batches are a restart, not duplicates of what the replay applied."""
+    engine = await start(engines)
+    for _ in range(3):
+        await engine.publish([engine.store_prompt(PROMPT)], send=False)  # before kvgate listened
+    fleet.follow("e0", engine)
+    await engine.wait_subscribed()
+    await engine.publish([engine.store_prompt(OTHER)])
+    await engine.publish([removed(engine.hashes(OTHER)[1:])])
+    await fleet.until_applied("e0", 4)
+    assert engine.replay_requests == [0]
+    port, replay_port = engine.port, engine.replay_port
+    await engine.close()
+    engines.remove(engine)
+
+    reborn = await FakeEventsEngine(block_size=BLOCK).start(port, replay_port)
+    engines.append(reborn)
+    await reborn.wait_subscribed()
+    await reborn.publish([reborn.store_prompt(OTHER)])
+    await wait_until(lambda: fleet.metric("kvgate_kv_events_resets_total", instance="e0", reason="restart") == 1)
+    await fleet.until_applied("e0", 0)
+    assert fleet.hits(PROMPT) == {}
+    assert fleet.hits(OTHER) == {"e0": EnginePrefix(2 * BLOCK)}
+
+
 async def test_a_block_whose_parent_is_unknown_is_indexed_but_no_prefix_starts_there(fleet, engines):
     engine = await start(engines)
     fleet.follow("e0", engine)

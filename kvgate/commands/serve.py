@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning("no instances configured: every model is unknown (404) "
                                             "until an instance is added through the admin routes")
     if settings.debug_routes is DebugRoutes.ADMIN and not settings.admin_token:
-        logging.getLogger(__name__).warning("--debug-routes admin without --admin-token: /metrics and "
-                                            "/debug/schedule answer 404")
+        logging.getLogger(__name__).warning("--debug-routes admin (the default with --api-keys-file) without "
+                                            "--admin-token: /metrics and /debug/schedule answer 404")
     if settings.access_log:
         from kvgate.gateway.access_log import configure_logger
 

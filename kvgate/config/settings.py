@@ -329,6 +329,15 @@ class Settings(BaseModel):
         description="Longest wait for a stream's first bytes from an engine; past it the request is retried "
         "on another instance. --upstream-read-timeout-s then bounds each gap between chunks.",
     )
+    upstream_whole_answer_timeout_s: float = Field(
+        600.0, gt=0,
+        description="Longest wait for a non-streamed answer (engines send it whole, once generated); past it "
+        "the request is retried on another instance.",
+    )
+    max_sse_event_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024,
+        description="Longest SSE event relayed from an engine; a longer one ends that stream with an error event.",
+    )
     outlier_consecutive_failures: int = Field(
         5, ge=0, description="Eject an instance after this many failed requests in a row (0: off)."
     )
@@ -383,7 +392,19 @@ class Settings(BaseModel):
         "header, except with --api-keys-file, whose keys never leave the gateway.",
     )
     debug_routes: DebugRoutes = Field(
-        DebugRoutes.PUBLIC, description="public | admin (behind --admin-token) | off: /debug/schedule and /metrics."
+        DebugRoutes.PUBLIC, description="public | admin (behind --admin-token) | off: /debug/schedule and /metrics. "
+        "Unset with --api-keys-file: admin (what the keys protect is not left open beside them).",
+    )
+    debug_max_concurrent: int = Field(
+        1, ge=1, description="/debug/schedule plans at most this many prompts at once (429 beyond): each "
+        "tokenizes a whole prompt.",
+    )
+    auth_failure_budget: int = Field(
+        20, ge=0, description="Failed authentications (wrong API key or admin token) a client address may make "
+        "at once before it gets 429 with Retry-After; 0 = no limit.",
+    )
+    auth_failure_refill_per_s: float = Field(
+        1.0, gt=0, description="Failed authentications per second an address regains of its budget.",
     )
     access_log: bool = Field(False, description="One JSON line per request on stdout (logger kvgate.access).")
     instance_networks: tuple[str, ...] = Field(
@@ -562,6 +583,8 @@ class Settings(BaseModel):
             self.__dict__["ttft_prefill_points"] = ((1, 1 / rate), (1_000_000, 1_000_000 / rate))
         if self.ttft_slo_s > 0 and "early_rejection" not in self.model_fields_set:
             self.__dict__["early_rejection"] = EarlyRejection.EARLY
+        if self.api_keys_file and "debug_routes" not in self.model_fields_set:
+            self.__dict__["debug_routes"] = DebugRoutes.ADMIN
         return self
 
     @model_validator(mode="after")

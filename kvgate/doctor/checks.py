@@ -3,12 +3,15 @@
 Each instance is checked in the order a request meets it: reachable and serving its model; the
 gateway's token ids equal the engine's own (`POST /tokenize`, completion and chat forms); the block
 keys the gateway computes for a fresh probe completion are in the store, at this instance, and the
-same probe sent again reports cached tokens in its usage; the engine's load metrics parse. An unreachable instance is not checked further.
+same probe sent again reports cached tokens in its usage; for an instance with a `kv_events_endpoint`,
+the engine announces the probe's blocks under the gateway's keys (events.py); the engine's load metrics
+parse. An unreachable instance is not checked further.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from kvgate.config.settings import InstanceConfig, KVSBackendName, Settings
+from kvgate.doctor import events
 from kvgate.doctor.keys import gateway_keys, key_variants
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TEXT, PROBE_TOOLS, fresh_token_prompt
 from kvgate.doctor.results import CheckResult
@@ -49,13 +53,20 @@ class Doctor:
         self._store_wait_s = store_wait_s
 
     async def run(self) -> list[CheckResult]:
-        store = await self._store_reachable()
+        if self._settings.kvs_backend == KVSBackendName.KV_EVENTS:
+            # No store to ask: each instance's blocks are checked in its own KV events instead.
+            store = CheckResult("KV store", "store", True, "none (kvs_backend kv_events): the cache view is "
+                                "the engines' KV events")
+            store_up = False
+        else:
+            store = await self._store_reachable()
+            store_up = store.passed
         results = [store]
         if not self._settings.instances:
             results.append(CheckResult("instances configured", "gateway", False, "the config lists no instances",
                                        "list the engines under instances: (url, model, kvs_endpoints)"))
         for instance in self._settings.instances:
-            results.extend(await self._instance(instance, store.passed))
+            results.extend(await self._instance(instance, store_up))
         return results
 
     async def _store_reachable(self) -> CheckResult:
@@ -64,9 +75,6 @@ class Doctor:
         if backend == KVSBackendName.EMBEDDED:
             return CheckResult(name, "store", False, "the embedded index lives inside the gateway's process",
                                "check a deployment that uses mooncake or redis")
-        if backend == KVSBackendName.KV_EVENTS or self._kvs is None:
-            return CheckResult(name, "store", False, "kv_events: the gateway asks no store, it indexes the "
-                               "engines' KV events", "see docs/KV_EVENTS.md; check a deployment with a store")
         # One block, as a key and as token ids (the Conductor indexer is asked by token ids).
         model = self._settings.instances[0].model if self._settings.instances else "kvgate-doctor"
         lookup = await self._kvs.lookup(["kvgate-doctor-probe"], fresh_token_prompt(self._settings.kvs_chunk_size),
@@ -145,15 +153,21 @@ class Doctor:
         chunk = self._settings.kvs_chunk_size
         prompt = fresh_token_prompt(PROBE_BLOCKS * chunk + chunk // 2)
         body = {"model": instance.model, "prompt": prompt, "max_tokens": 1}
-        try:
-            status, answer = await self._call("POST", instance, "/v1/completions", body)
-        except (OSError, aiohttp.ClientError, TimeoutError) as exc:
-            return [CheckResult(name, instance.id, False, f"the probe completion failed: {_describe(exc)}",
-                                "see the engine's log")]
-        if status != 200:
-            return [CheckResult(name, instance.id, False,
-                                f"the probe completion got HTTP {status}: {_excerpt(answer)}", "see the engine's log")]
-        results = [await self._probe_blocks(instance, prompt)] if store_up else []
+        async with contextlib.AsyncExitStack() as stack:
+            listener = (await stack.enter_async_context(events.listening(self._settings, instance))
+                        if instance.kv_events_endpoint else None)
+            try:
+                status, answer = await self._call("POST", instance, "/v1/completions", body)
+            except (OSError, aiohttp.ClientError, TimeoutError) as exc:
+                return [CheckResult(name, instance.id, False, f"the probe completion failed: {_describe(exc)}",
+                                    "see the engine's log")]
+            if status != 200:
+                return [CheckResult(name, instance.id, False, f"the probe completion got HTTP {status}: "
+                                    f"{_excerpt(answer)}", "see the engine's log")]
+            results = [await self._probe_blocks(instance, prompt)] if store_up else []
+            if listener is not None:
+                announced = await listener.stored(PROBE_BLOCKS, self._store_wait_s)
+                results.append(events.check_events(self._settings, instance, prompt, announced, self._store_wait_s))
         # The same prompt again: the engine holds it now, and must say so in its usage (vLLM leaves
         # the count out when it is zero, so a fresh prompt's answer proves nothing).
         try:

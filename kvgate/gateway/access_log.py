@@ -5,6 +5,8 @@
      "client": "10.0.0.7", "ttft_s": 0.081, "duration_s": 1.92, "prompt_tokens": 3120,
      "prefix_hit_tokens": 2816, "completion_tokens": 64}
 
+`instance` is the instance that answered (for a prefill/decode pair, the decode instance) and
+`prefill_instance` the pair's prefill instance (null otherwise, and when the decode prefilled itself).
 `outcome` is ok | client_error (4xx) | error (5xx) | client_closed (the client hung up; status 499)
 | stream_error (the engine failed after the first byte) | shutdown (ended by the SIGTERM drain).
 `ttft_s` is the time to the first byte sent to the client (for a whole answer, to the answer). Fields that are not known for a
@@ -27,7 +29,8 @@ from kvgate.gateway.auth import CLIENT_KEY
 from kvgate.gateway.errors import Handler
 from kvgate.gateway.observe import CLIENT_CLOSED, REQUEST_ID
 from kvgate.gateway.relay import STREAM_BROKEN
-from kvgate.gateway.request_notes import ANSWERED_BY, MODEL, OUTCOME, PLAN
+from kvgate.gateway.request_notes import ANSWERED_BY, MODEL, OUTCOME, PLAN, PREFILLED_BY
+from kvgate.gateway.usage import MAX_REPORTED_TOKENS
 
 LOGGER_NAME = "kvgate.access"
 log = logging.getLogger(LOGGER_NAME)
@@ -94,7 +97,10 @@ def _emit(request: web.Request, timing: _Timing, status: int, outcome: str,
     first_byte = timing.first_byte if timing.first_byte is not None or response is None else now
     plan = request.get(PLAN)
     instance = request.get(ANSWERED_BY)
-    score = plan.score(instance) if plan is not None and instance is not None else None
+    prefill_instance = request.get(PREFILLED_BY)
+    # The hit is the prefix the instance that computed the prompt found (PD: the prefill's).
+    computed_by = prefill_instance or instance
+    score = plan.score(computed_by) if plan is not None and computed_by is not None else None
     entry = {
         "ts": round(time.time(), 3),
         "request_id": request.get(REQUEST_ID),
@@ -104,6 +110,7 @@ def _emit(request: web.Request, timing: _Timing, status: int, outcome: str,
         "outcome": outcome,
         "model": request.get(MODEL),
         "instance": instance,
+        "prefill_instance": prefill_instance,
         "api_key": request.get(CLIENT_KEY),
         "client": request.remote,
         "ttft_s": round(first_byte - timing.started, 6) if first_byte is not None else None,
@@ -121,7 +128,8 @@ def _completion_tokens(response: web.StreamResponse | None) -> int | None:
     if response.content_type != "application/json" or not isinstance(response.body, bytes):
         return None
     try:
-        usage = orjson.loads(response.body).get("usage")
-        return int(usage["completion_tokens"])
-    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+        tokens = orjson.loads(response.body).get("usage")["completion_tokens"]
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
         return None
+    # The engine's word, logged only when it is a count.
+    return tokens if type(tokens) is int and 0 <= tokens <= MAX_REPORTED_TOKENS else None

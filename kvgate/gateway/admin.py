@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from kvgate.config.instance_rules import check_url_in_networks, parse_networks
 from kvgate.config.pd import check_bootstrap_fields, check_pd_serving
 from kvgate.config.settings import InstanceConfig
+from kvgate.gateway.auth import header_bytes
 from kvgate.gateway.errors import APIError, Handler
 from kvgate.gateway.protocol import json_response
 from kvgate.gateway.registry import InstanceState, RegistryError, RegistryFull
@@ -31,15 +32,18 @@ def add_routes(app: web.Application) -> None:
 
 
 def require_admin(request: web.Request) -> Gateway:
-    """The gateway if the request carries the admin token; 404 when admin is off, 401/403 otherwise."""
+    """The gateway if the request carries the admin token; 404 when admin is off, 401/403 otherwise
+    (429 once the client's address spent its failure budget, gateway/auth_failures.py)."""
     gateway = request.app[GATEWAY]
     token = gateway.settings.admin_token
     if not token:
         raise APIError(404, "admin routes are disabled: start the gateway with --admin-token")
+    gateway.auth_failures.check(request.remote, "admin")
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not presented:
         raise APIError(401, "admin routes need 'Authorization: Bearer <admin token>'")
-    if not hmac.compare_digest(presented.encode(), token.encode()):
+    if not hmac.compare_digest(header_bytes(presented), header_bytes(token)):
+        gateway.auth_failures.failed(request.remote, "admin")
         raise APIError(403, "wrong admin token")
     return gateway
 

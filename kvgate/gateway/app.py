@@ -22,6 +22,7 @@ from kvgate.config.settings import DebugRoutes, InstanceConfig, KVSBackendName, 
 from kvgate.gateway import access_log, admin, debug
 from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.auth import ClientAuth
+from kvgate.gateway.auth_failures import AuthFailureBudget
 from kvgate.gateway.background import every
 from kvgate.gateway.client_timeout import body_timeout_middleware
 from kvgate.gateway.drain import DRAIN, ShutdownDrain
@@ -120,10 +121,12 @@ def build_app(
     planner = RoutePlanner(scheduler, kvs, tokenizer_service, registry, account, metrics, prompt_limit, window,
                            decode_ledger=decode_ledger, events=events, events_metrics=events_metrics,
                            max_query_blocks=settings.kvs_max_query_blocks)
+    auth_failures = AuthFailureBudget(settings.auth_failure_budget, settings.auth_failure_refill_per_s,
+                                      metrics.auth_failures_throttled)
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account,
                       InflightTracker(account, metrics), tokenizer_service, kvs, planner,
-                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), decode_ledger, shared=shared,
-                      events=events)
+                      HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size), auth_failures, decode_ledger,
+                      shared=shared, events=events)
     if scheduler.prfaas is not None:
         gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
     for state in registry.states():
@@ -131,7 +134,7 @@ def build_app(
 
     drain = ShutdownDrain()
     app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=_middlewares(settings, metrics, prometheus, drain))
+                          middlewares=_middlewares(settings, metrics, prometheus, drain, auth_failures))
     app[GATEWAY] = gateway
     app[DRAIN] = drain
     if settings.access_log:
@@ -144,7 +147,7 @@ def build_app(
     if settings.debug_routes is not DebugRoutes.OFF:
         guard = admin.admin_only if settings.debug_routes is DebugRoutes.ADMIN else None
         app.router.add_get("/metrics", guard(_metrics) if guard else _metrics)
-        debug.add_routes(app, guard)
+        debug.add_routes(app, settings.debug_max_concurrent, guard)
     admin.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     if shared is not None:
@@ -170,7 +173,7 @@ def _events_view(
 
 
 def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: CollectorRegistry,
-                 drain: ShutdownDrain) -> list:
+                 drain: ShutdownDrain, auth_failures: AuthFailureBudget) -> list:
     """Outermost first: name and count the request, log it, track it for the drain, turn errors
     into OpenAI JSON, check the client's API key, then make sure the body arrives in time."""
     chain = [observe_middleware(metrics)]
@@ -178,7 +181,8 @@ def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: Collec
         chain.append(access_log.access_log_middleware)
     chain += [drain.middleware(), error_middleware]
     if settings.api_keys_file:
-        auth = ClientAuth(load_api_keys(settings.api_keys_file), settings, client_key_metrics(prometheus))
+        auth = ClientAuth(load_api_keys(settings.api_keys_file), settings, client_key_metrics(prometheus),
+                          auth_failures)
         chain.append(auth.middleware())
     chain.append(body_timeout_middleware(settings.client_request_timeout_s))
     return chain
@@ -202,7 +206,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     context_probe = EngineContextProbe(gateway.registry, session, gateway.planner.prompt_limit,
                                        timeout_s=settings.upstream_connect_timeout_s)
     poller = EngineStatsPoller(gateway.registry, session, gateway.account,
-                               timeout_s=min(settings.stats_poll_interval_s, settings.upstream_connect_timeout_s))
+                               timeout_s=min(settings.stats_poll_interval_s, settings.upstream_connect_timeout_s),
+                               refused=gateway.metrics.engine_values_refused)
 
     async def expire() -> None:
         gateway.tracker.expire()

@@ -6,7 +6,8 @@ Off unless --api-keys-file is set. Then every /v1/* request needs `Authorization
 Retry-After beyond either). Only the key's name reaches logs and metrics.
 
 Keys are looked up by their SHA-256 digest and the match confirmed with a constant-time compare:
-the time taken says nothing about how much of a guessed key was right.
+the time taken says nothing about how much of a guessed key was right. A wrong key also spends
+its client address's failure budget (auth_failures.py): past it, 429 instead of 401.
 
 The gateway's keys never leave the gateway: with --api-keys-file the client's Authorization header
 is not passed to engines (they get --engine-api-key, or nothing). Without it the header is passed
@@ -26,7 +27,9 @@ from aiohttp import web
 
 from kvgate.config.api_keys import ApiKey
 from kvgate.config.settings import Settings
+from kvgate.gateway.auth_failures import AuthFailureBudget
 from kvgate.gateway.errors import APIError, Handler
+from kvgate.gateway.upstream import url_has_credentials
 from kvgate.metrics.definitions import ClientKeyMetrics
 
 # The name of the key a request was admitted with (for the access log).
@@ -69,23 +72,30 @@ class ClientAuth:
         keys: tuple[ApiKey, ...],
         settings: Settings,
         metrics: ClientKeyMetrics,
+        failures: AuthFailureBudget,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         rate = settings.api_key_rate_limit_rps
         burst = settings.api_key_rate_limit_burst or max(1, math.ceil(rate))
         now = clock()
         self._keys = {
-            _digest(k.key): _KeyState(k.name, k.key.encode(), TokenBucket(rate, burst, now) if rate else None)
+            _digest(header_bytes(k.key)): _KeyState(k.name, header_bytes(k.key),
+                                                    TokenBucket(rate, burst, now) if rate else None)
             for k in keys
         }
         self._max_inflight = settings.api_key_max_inflight
         self._metrics = metrics
+        self._failures = failures
         self._clock = clock
 
-    def authenticate(self, authorization: str) -> _KeyState:
+    def authenticate(self, authorization: str, address: str | None = None) -> _KeyState:
+        self._failures.check(address, "api_key")
         scheme, _, presented = authorization.partition(" ")
-        state = self._keys.get(_digest(presented.strip())) if scheme.lower() == "bearer" else None
-        if state is None or not hmac.compare_digest(presented.strip().encode(), state.secret):
+        secret = header_bytes(presented.strip())
+        state = self._keys.get(_digest(secret)) if scheme.lower() == "bearer" else None
+        if state is None or not hmac.compare_digest(secret, state.secret):
+            if secret:
+                self._failures.failed(address, "api_key")  # 429 past the address's budget
             self._metrics.unauthorized.inc()
             raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -112,7 +122,7 @@ class ClientAuth:
         async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
             if not request.path.startswith(_PROTECTED_PREFIX):
                 return await handler(request)
-            state = self.authenticate(request.headers.get("Authorization", ""))
+            state = self.authenticate(request.headers.get("Authorization", ""), request.remote)
             request[CLIENT_KEY] = state.name
             self.admit(state)
             state.inflight += 1
@@ -134,5 +144,20 @@ def engine_authorization(settings: Settings) -> Callable[[web.Request], str | No
     return lambda request: request.headers.get("Authorization")
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+def engine_refusal_is_the_gateways(settings: Settings) -> Callable[[str], bool]:
+    """Whether an engine's 401/403 at an instance URL refuses credentials the gateway chose (its
+    --engine-api-key, the URL's user:password, or none with --api-keys-file): then the instance is
+    misconfigured, a failure to fail over from, not the client's problem to be relayed."""
+    if settings.engine_api_key or settings.api_keys_file:
+        return lambda url: True
+    return url_has_credentials
+
+
+def header_bytes(text: str) -> bytes:
+    """A header value as the client sent it: aiohttp decodes bytes that are not UTF-8 to surrogates,
+    which a plain encode() refuses (a 500 for what is only a wrong key)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()

@@ -2,7 +2,9 @@
 
 Same body as /v1/completions or /v1/chat/completions (told apart by `messages`). The answer is
 the real plan (tokenize, hash, KV store lookup, decision) but nothing is forwarded and the load
-account is not touched, so it is safe to call against a production gateway.
+account is not touched, so it is safe to call against a production gateway. It tokenizes the
+whole prompt, which takes the CPU live requests need: at most `--debug-max-concurrent` calls run at
+once, the others get 429 (with API keys configured the route is behind the admin token by default).
 """
 
 from __future__ import annotations
@@ -23,9 +25,23 @@ from kvgate.kvs_client.events.view import EventsView
 from kvgate.scheduler.ttft import TTFTPrediction
 
 
-def add_routes(app: web.Application, guard: Callable[[Handler], Handler] | None = None) -> None:
+def add_routes(app: web.Application, max_concurrent: int,
+               guard: Callable[[Handler], Handler] | None = None) -> None:
     """`guard` wraps the handler (the admin-token check of --debug-routes admin)."""
-    app.router.add_post("/debug/schedule", guard(_schedule) if guard else _schedule)
+    running = 0
+
+    async def schedule(request: web.Request) -> web.Response:
+        nonlocal running
+        if running >= max_concurrent:
+            raise APIError(429, f"/debug/schedule is already planning {running} prompt(s) "
+                           "(--debug-max-concurrent); retry later", code="debug_busy", headers={"Retry-After": "1"})
+        running += 1
+        try:
+            return await _schedule(request)
+        finally:
+            running -= 1
+
+    app.router.add_post("/debug/schedule", guard(schedule) if guard else schedule)
 
 
 async def _schedule(request: web.Request) -> web.Response:

@@ -4,9 +4,9 @@ Rules, in the order a request meets them:
 - Instances are tried in the decision's ranking, at most 1 + `forward_retries` of them, never the
   same one twice. Any failure to reach an instance, a 5xx, no first byte within
   `--upstream-first-byte-timeout-s` (streams; a whole answer comes only once generated, so it
-  waits `--upstream-read-timeout-s`), the instance's ejection, or a broken answer *before the
-  client has received a byte* moves on to the next; a 4xx is the client's problem and is relayed,
-  never retried. Every attempt's outcome feeds passive outlier detection (outliers.py).
+  waits `--upstream-whole-answer-timeout-s`), the instance's ejection, or a broken answer *before
+  the client has received a byte* moves on to the next; so does a 401/403 refusing credentials the
+  gateway chose (auth.py). Other 4xx are the client's problem and are relayed, never retried. Every attempt's outcome feeds passive outlier detection (outliers.py).
 - When every attempt failed the client gets a 502 naming its request id; what each engine said
   (its 5xx body may hold tracebacks) goes to the gateway log only.
 - The answer is relayed by `relay.py` (streams cut at event boundaries; after the first byte a
@@ -22,6 +22,7 @@ Rules, in the order a request meets them:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +31,12 @@ import orjson
 from aiohttp import web
 
 from kvgate.config.settings import Settings
-from kvgate.gateway.auth import engine_authorization
+from kvgate.gateway.auth import engine_authorization, engine_refusal_is_the_gateways
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.handoff import make_handoff
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
+from kvgate.gateway.log_throttle import LogThrottle
 from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.pd_forward import PDForwarder
 from kvgate.gateway.prfaas import PrfaasLink
@@ -57,6 +59,8 @@ from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.selector import ScoreTable
+
+log = logging.getLogger(__name__)
 
 _FIXED_HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"
 
@@ -84,16 +88,21 @@ class Forwarder:
         self._outliers = outliers
         self._max_attempts = 1 + settings.forward_retries
         self._first_byte_timeout_s = settings.upstream_first_byte_timeout_s
+        self._whole_answer_timeout_s = settings.upstream_whole_answer_timeout_s
+        self._max_event_bytes = settings.max_sse_event_bytes
+        self._refusals = LogThrottle(log)
         self._forward_token_ids = settings.forward_token_ids
         # The only client header an engine may need (its own API key); see gateway/auth.py.
         self._authorization = engine_authorization(settings)
+        self._refusal_is_the_gateways = engine_refusal_is_the_gateways(settings)
         # Account keys are the gateway's own: clients may reuse an x-request-id concurrently.
         self._sequence = itertools.count()
         # Only a gateway with a pd_protocol plans disaggregated requests (gateway/routing.py).
         self._pd = PDForwarder(
             upstream, make_handoff(settings.pd_protocol), registry, tracker,
             decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
-            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, self._ttft_dispatched, prfaas,
+            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, self._ttft_dispatched,
+            self.failed_status, prfaas,
         ) if settings.pd_protocol is not None else None
 
     async def forward(
@@ -108,7 +117,7 @@ class Forwarder:
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
         compared = self._hits is not None and _comparable(parsed, plan)
         payload, usage_asked = self._payload(parsed, plan, compared)
-        first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else None
+        first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else self._whole_answer_timeout_s
 
         failures: list[str] = []
         last_failed: str | None = None
@@ -117,8 +126,9 @@ class Forwarder:
             if attempts == self._max_attempts:
                 break
             state = self._registry.get(instance_id)
-            # Retries skip instances removed, drained or ejected since the decision.
-            if state is None or (attempts and not state.routable):
+            # Skip instances removed, drained or ejected since the decision: a request sent to an
+            # instance after its ejection failed over the requests waiting on it would wait alone.
+            if state is None or not state.routable:
                 continue
             attempts += 1
             if last_failed is not None:
@@ -155,6 +165,11 @@ class Forwarder:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
         raise unavailable(request_id, failures)
 
+    def failed_status(self, status: int, url: str) -> bool:
+        """An answer that is the instance's failure (retried elsewhere, counted for ejection): a 5xx, or
+        a 401/403 refusing credentials the gateway chose. Other 4xx are the client's, relayed."""
+        return status >= 500 or status in (401, 403) and self._refusal_is_the_gateways(url)
+
     def _payload(self, parsed: ParsedRequest, plan: RoutePlan, compared: bool) -> tuple[bytes, bool]:
         """The body for the engine, and whether it asks for usage the client did not ask for."""
         changes: dict = {}
@@ -187,9 +202,17 @@ class Forwarder:
         assert self._hits is not None
         if tap.usage is None and not tap.answered:  # a relayed 4xx, a stream cut short: no word
             return
+        if tap.usage is not None and tap.usage.refused:
+            self._refused_usage(instance_id, tap.usage.refused, request_id)
         score = plan.score(instance_id)
         predicted = score.prefix_hit_tokens if score is not None else 0
         self._hits.record(instance_id, predicted, _longest_prefix_hit(plan), tap.usage, request_id)
+
+    def _refused_usage(self, instance_id: str, fields: tuple[str, ...], request_id: str) -> None:
+        for name in fields:
+            self._metrics.engine_values_refused.labels(name).inc()
+        self._refusals.warning("instance %s reported impossible usage numbers (%s), refused or clamped; "
+                               "request %s", instance_id, ", ".join(fields), request_id)
 
     async def relay_from(
         self,
@@ -227,10 +250,11 @@ class Forwarder:
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         try:
-            if upstream.status >= 500:
+            if self.failed_status(upstream.status, url):
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
             return await relay_answer(request, upstream, request_id,
-                                      lambda: self._first_byte(key, arrived, on_first_byte), tap)
+                                      lambda: self._first_byte(key, arrived, on_first_byte), tap,
+                                      self._max_event_bytes)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
         finally:
@@ -266,10 +290,11 @@ def _longest_prefix_hit(plan: RoutePlan) -> int:
 
 
 def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
-    """Whether the answer's usage can check the prediction: the store was asked, and the usage is of
-    that one prompt (a batch or n > 1 reports its prompts' or samples' sums). Other requests are
-    relayed untouched and unread."""
-    return plan.kvs_status == "ok" and parsed.batch is None and parsed.body.get("n") in (1, None)
+    """Whether the answer's usage can check the prediction: the store answered (or, with no store,
+    the engines' KV events did), and the usage is of that one prompt (a batch or n > 1 reports its
+    prompts' or samples' sums). Other requests are relayed untouched and unread."""
+    evidence = plan.kvs_status == "ok" or (plan.kvs_status == "skipped" and plan.engine_hits is not None)
+    return evidence and parsed.batch is None and parsed.body.get("n") in (1, None)
 
 
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:

@@ -1,9 +1,16 @@
-"""The outermost middleware: give every request an id and count every answer by route and status."""
+"""The outermost middleware: give every request an id and count every answer by route and status.
+
+A client's own `X-Request-Id` is kept only if it is short printable ASCII (`client_request_id`):
+the id goes into logs, metrics-adjacent JSON and the header sent to engines, so 8 KB of text or
+bytes that are not UTF-8 would break or bloat all of them. Any other value is replaced by one of
+the gateway's own ids.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import secrets
 from collections.abc import Callable
 
@@ -19,6 +26,15 @@ REQUEST_ID = web.RequestKey("request_id", str)
 CLIENT_CLOSED = "499"
 # A stream sent as 200 that the engine broke after its first byte (ended with an error event).
 STREAM_ERROR = "stream_error"
+MAX_REQUEST_ID_CHARS = 128
+# Visible ASCII: no spaces, no control characters, nothing a log or header line must escape.
+_CLIENT_REQUEST_ID = re.compile(rf"[!-~]{{1,{MAX_REQUEST_ID_CHARS}}}")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id if it is usable as it stands; None otherwise (aiohttp decodes header
+    bytes that are not UTF-8 to surrogates, which the pattern refuses)."""
+    return value if value is not None and _CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
 def request_ids() -> Callable[[], str]:
@@ -35,7 +51,7 @@ def observe_middleware(metrics: GatewayMetrics):
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
+        request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or new_request_id()
         request[REQUEST_ID] = request_id
         resource = request.match_info.route.resource
         # Unmatched paths share one label so scanners cannot blow up the metric's cardinality.

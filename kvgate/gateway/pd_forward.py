@@ -35,6 +35,7 @@ from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry, InstanceState
 from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe, unavailable
+from kvgate.gateway.request_notes import ANSWERED_BY, PREFILLED_BY
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.metrics.definitions import GatewayMetrics
@@ -80,6 +81,7 @@ class PDForwarder:
         observe_hit_ratio: Callable[[RoutePlan, str], None],
         record_prefill_hit: RecordPrefillHit,
         ttft_dispatched: TTFTDispatched,
+        failed_status: Callable[[int, str], bool],
         prfaas: PrfaasLink | None = None,
     ) -> None:
         self._upstream = upstream
@@ -95,6 +97,8 @@ class PDForwarder:
         self._observe_hit_ratio = observe_hit_ratio
         self._record_prefill_hit = record_prefill_hit
         self._ttft_dispatched = ttft_dispatched
+        # Whether an answer's status is the instance's failure (the forwarder's rule).
+        self._failed_status = failed_status
         self._prfaas = prfaas
         self._sequence = itertools.count()
 
@@ -126,6 +130,9 @@ class PDForwarder:
             else:  # the hit the policy found for the instance that computes the prompt
                 self._observe_hit_ratio(plan, prefill.id if prefill is not None else decode.id)
             key = f"{request_id}#pd{next(self._sequence)}"
+            request[ANSWERED_BY] = decode.id
+            if prefill is not None:
+                request[PREFILLED_BY] = prefill.id
             decode_key = key + "/decode"
             decode_tokens = pd.decode_miss_tokens if prefill is None else 0
             self._tracker.dispatch(decode_key, decode.id, decode_tokens)
@@ -193,6 +200,7 @@ class PDForwarder:
                 try:
                     decode_body = exchange.decode_body(orjson.loads(answer.body))
                 except (HandOffError, orjson.JSONDecodeError, AttributeError) as exc:
+                    self._metrics.engine_values_refused.labels("kv_transfer_params").inc()
                     raise PairFailure("prefill", f"unusable prefill answer: {exc}") from None
                 return await self._decode_only(request, decode_key, decode, path, orjson.dumps(decode_body),
                                                headers, request_id, arrived, kv_arrived)
@@ -250,7 +258,7 @@ class PDForwarder:
             raise PairFailure("prefill", describe(exc)) from None
         try:
             body = await upstream.read()
-            if upstream.status >= 500:
+            if self._failed_status(upstream.status, prefill.config.url):
                 raise PairFailure("prefill", f"HTTP {upstream.status}: {body[:300].decode('utf-8', 'replace')}")
             if upstream.status == 200:
                 prefill_done()

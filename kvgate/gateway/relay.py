@@ -5,9 +5,10 @@ prefill/decode hand-off) relays through here, so streaming behaves the same on a
 - A whole answer (JSON, a relayed 4xx) is read completely before anything is sent, so a break
   half-way is still the caller's to retry.
 - A stream is relayed chunk by chunk and cut only at event boundaries, so a failure never splits
-  an event: after the first byte an upstream failure ends the stream with an OpenAI-style error
-  event and `data: [DONE]`; before it, `RetryableFailure` tells the caller another instance may
-  answer.
+  an event: after the first byte an upstream failure, an event longer than --max-sse-event-bytes
+  or a stream that ends without `data: [DONE]` (the engine died between events) ends the stream
+  with an OpenAI-style error event and `data: [DONE]`; before it, `RetryableFailure` tells the
+  caller another instance may answer.
 - A `UsageTap` (usage.py), when given, reads the engine's usage report on the way and removes the
   usage chunk the gateway asked for on the client's behalf.
 """
@@ -15,6 +16,7 @@ prefill/decode hand-off) relays through here, so streaming behaves the same on a
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 
 import orjson
@@ -31,6 +33,8 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # TimeoutError and connection failures are OSErrors.
 UPSTREAM_ERRORS = (OSError, UpstreamError)
 SSE_DONE = b"data: [DONE]\n\n"
+_DONE_AT_END = re.compile(rb"(?:^|\n)data: ?\[DONE\]\s*$")
+_TAIL_BYTES = 32
 # Set on a request whose stream the engine broke after the first byte: it went out as 200, but
 # the metrics and the outlier detector must count it as the failure it was.
 STREAM_BROKEN = web.RequestKey("stream_broken", str)
@@ -45,7 +49,8 @@ async def relay_answer(
     upstream: UpstreamResponse,
     request_id: str,
     on_first_byte: Callable[[], None],
-    tap: UsageTap | None = None,
+    tap: UsageTap | None,
+    max_event_bytes: int,
 ) -> web.StreamResponse:
     """The engine's answer as the client's. `upstream.status` is below 500 (5xx is the caller's)."""
     if upstream.status != 200 or upstream.media_type != "text/event-stream":
@@ -57,7 +62,7 @@ async def relay_answer(
         if upstream.content_encoding:
             headers["Content-Encoding"] = upstream.content_encoding
         return web.Response(status=upstream.status, body=body, headers=headers)
-    return await relay_stream(request, upstream, request_id, on_first_byte, tap)
+    return await relay_stream(request, upstream, request_id, on_first_byte, tap, max_event_bytes)
 
 
 async def relay_stream(
@@ -65,19 +70,21 @@ async def relay_stream(
     upstream: UpstreamResponse,
     request_id: str,
     on_first_byte: Callable[[], None],
-    tap: UsageTap | None = None,
+    tap: UsageTap | None,
+    max_event_bytes: int,
 ) -> web.StreamResponse:
     response: web.StreamResponse | None = None
-    pending = b""  # bytes of an event not yet complete
+    # Bytes of an event not yet complete. A bytearray grown in place, searched only where new bytes
+    # came: an engine that never ends its event costs linear time, not a copy of the buffer per chunk.
+    pending = bytearray()
+    relayed_tail = b""  # the last bytes of the complete events relayed, to tell whether [DONE] came
     while True:
         try:
             chunk = await upstream.read_chunk()
         except UPSTREAM_ERRORS as exc:
             if response is None:
                 raise RetryableFailure(describe(exc)) from None
-            request[STREAM_BROKEN] = describe(exc)
-            await end_with_error(response, f"the engine failed mid-stream: {describe(exc)}")
-            return response
+            return await _broken(request, response, f"the engine failed mid-stream: {describe(exc)}")
         if not chunk:
             break
         if response is None:
@@ -88,27 +95,55 @@ async def relay_stream(
             )
             await response.prepare(request)
             request[STREAMING_RESPONSE] = response
-        pending += chunk
-        cut = _events_end(pending)
-        if cut:
-            events = pending[:cut] if tap is None else tap.events(pending[:cut])
+        if not pending and chunk.endswith(b"\n\n"):  # the usual chunk: whole events, nothing held back
+            complete = chunk
+        else:
+            searched = max(0, len(pending) - 3)  # a separator may straddle the old end and the new bytes
+            pending += chunk
+            cut = _events_end(pending, searched)
+            complete = bytes(pending[:cut])
+            del pending[:cut]
+        if complete:
+            relayed_tail = (relayed_tail + complete[-_TAIL_BYTES:])[-_TAIL_BYTES:]
+            events = complete if tap is None else tap.events(complete)
             if events and not await _write(response, events):
                 return response
-            pending = pending[cut:]
+        if len(pending) > max_event_bytes:
+            return await _broken(request, response, f"the engine sent an SSE event longer than {max_event_bytes} "
+                                 "bytes (--max-sse-event-bytes)", code="upstream_event_too_large")
     if response is None:
         raise RetryableFailure("the engine closed the stream without sending anything")
+    rest = bytes(pending)
+    if not _ends_with_done(relayed_tail + rest):
+        # The engine stopped without its last word; an unfinished event is dropped, not half-relayed.
+        return await _broken(request, response, "the engine ended the stream without data: [DONE]",
+                             code="upstream_stream_incomplete")
     if tap is not None:
-        pending = tap.end(pending)
-    if pending and not await _write(response, pending):
+        rest = tap.end(rest)
+    if rest and not await _write(response, rest):
         return response
     await response.write_eof()
     return response
 
 
-def _events_end(buffer: bytes) -> int:
-    """Index just past the last complete SSE event in `buffer` (0 if none is complete)."""
-    lf, crlf = buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n")
+async def _broken(request: web.Request, response: web.StreamResponse, message: str,
+                  code: str = "upstream_stream_error") -> web.StreamResponse:
+    """End a stream the engine broke after its first byte: an error event the client sees, and a mark
+    for the metrics and the outlier detector (the answer went out as 200)."""
+    request[STREAM_BROKEN] = message
+    await end_with_error(response, message, code=code)
+    return response
+
+
+def _events_end(buffer: bytearray, start: int = 0) -> int:
+    """Index just past the last complete SSE event in `buffer` (0 if none is complete); separators
+    are looked for from `start` on."""
+    lf, crlf = buffer.rfind(b"\n\n", start), buffer.rfind(b"\r\n\r\n", start)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _ends_with_done(data: bytes) -> bool:
+    return _DONE_AT_END.search(data[-_TAIL_BYTES:]) is not None
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> bool:

@@ -10,7 +10,8 @@ from kvgate.gateway.routing import RoutePlan
 
 MODEL = web.RequestKey("model", str)  # set by the route handler
 PLAN = web.RequestKey("plan", RoutePlan)  # set by the route handler
-ANSWERED_BY = web.RequestKey("answered_by", str)  # the forwarder: the instance tried last
+ANSWERED_BY = web.RequestKey("answered_by", str)  # the forwarder: the instance tried last (PD: the decode)
+PREFILLED_BY = web.RequestKey("prefilled_by", str)  # PD: the prefill instance of the pair tried last
 # How the request ended when its status does not say it: "shutdown" (drain). A stream the engine
 # broke is marked by relay.STREAM_BROKEN.
 OUTCOME = web.RequestKey("outcome", str)

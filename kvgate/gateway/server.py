@@ -17,6 +17,7 @@ from aiohttp import web
 from kvgate.config.settings import Settings
 from kvgate.gateway.app import build_app
 from kvgate.gateway.drain import DRAIN, DrainReport
+from kvgate.gateway.malformed import answer_malformed_requests
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
 
@@ -63,6 +64,7 @@ async def start_gateway(
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=settings.client_request_timeout_s)
     await runner.setup()
+    answer_malformed_requests(runner, app[GATEWAY].metrics.malformed_requests)
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024, reuse_port=shared is not None)
     try:
         await site.start()

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import Settings
+from kvgate.gateway.auth_failures import AuthFailureBudget
 from kvgate.gateway.forwarder import Forwarder
 from kvgate.gateway.hit_accounting import HitAccounting
 from kvgate.gateway.inflight import InflightTracker
@@ -43,6 +44,8 @@ class Gateway:
     kvs: ResilientKVSClient | None  # None: no store (--kvs-backend kv_events)
     planner: RoutePlanner
     hits: HitAccounting
+    # Failed authentications per client address (API keys and the admin token).
+    auth_failures: AuthFailureBudget
     # Predicted decode tokens per decode instance (prefill/decode disaggregation).
     decode_ledger: DecodeLedger = field(default_factory=DecodeLedger)
     # The Prefill-as-a-Service rule's link and gauges (None without --prfaas-cluster).

@@ -12,16 +12,20 @@ bounds the wait from sending the request to the first body byte, the part a hung
 sends; `read_timeout_s` then bounds each gap between body chunks and is suspended while the relay
 holds reading back for a slow client. Until its first body byte a request can also be failed over
 by `abort_waiting` (its instance was ejected), as nothing of it has reached the client.
+
+An instance URL's user:password is sent as basic auth with every request (as the health checks
+send it), replacing any other Authorization header for that instance.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -50,6 +54,9 @@ class Endpoint:
     tls: bool
     base_path: str
     host_header: str
+    # "Authorization: Basic ...\r\n" from the URL's user:password, sent with every request as the
+    # health checks (aiohttp) send it; "" without credentials.
+    authorization: str = ""
 
     @classmethod
     def parse(cls, url: str) -> Endpoint:
@@ -58,7 +65,16 @@ class Endpoint:
             raise ValueError(f"not an http(s) URL: {url!r}")
         tls = parts.scheme == "https"
         port = parts.port or (443 if tls else 80)
-        return cls(parts.hostname, port, tls, parts.path.rstrip("/"), parts.netloc.rpartition("@")[2])
+        authorization = ""
+        if parts.username is not None:
+            # Latin-1, as aiohttp encodes the same URL's credentials for the health checks.
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode("latin-1")
+            authorization = f"Authorization: Basic {base64.b64encode(pair).decode()}\r\n"
+        return cls(parts.hostname, port, tls, parts.path.rstrip("/"), parts.netloc.rpartition("@")[2], authorization)
+
+
+def url_has_credentials(url: str) -> bool:
+    return "@" in url and urlsplit(url).username is not None
 
 
 class UpstreamResponse:
@@ -321,6 +337,8 @@ class UpstreamPool:
         self._idle: dict[str, list[_Connection]] = {}  # by instance URL
         self._busy: dict[str, set[_Connection]] = {}  # by instance URL: connections carrying a request
         self._endpoints: dict[str, Endpoint] = {}
+        # By instance URL: how many times abort_waiting ran, and its last reason.
+        self._aborted: dict[str, tuple[int, str]] = {}
         self._tls: ssl.SSLContext | None = None
 
     async def post(
@@ -330,15 +348,22 @@ class UpstreamPool:
         and `body`; return once the answer's head arrived. The first body byte must come within
         `first_byte_timeout_s` (default: the read timeout). Raises OSError (connect errors,
         TimeoutError, FirstByteTimeout) or UpstreamError (also for a URL that cannot be dialled)."""
+        aborts_before = self._aborted.get(url, (0, ""))[0]
         endpoint = self._endpoints.get(url)
         if endpoint is None:
             endpoint = self._endpoints[url] = _parse_endpoint(url)
         connection = self._idle_connection(url)
         if connection is None:
             connection = await self._connect(url, endpoint)
+        if endpoint.authorization:  # the instance's own credentials replace any other
+            headers = _without_authorization(headers) + endpoint.authorization
         head = (f"POST {endpoint.base_path}{path} HTTP/1.1\r\nHost: {endpoint.host_header}\r\n{headers}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("utf-8", "surrogateescape")
         waiting = connection.send((head, body), self._read_timeout_s, first_byte_timeout_s or self._read_timeout_s)
+        aborted = self._aborted.get(url)
+        if aborted is not None and aborted[0] != aborts_before:
+            # The instance was ejected while this request was connecting, before abort_waiting could see it.
+            connection.abort_if_waiting(aborted[1])
         try:
             return await waiting
         except BaseException:
@@ -363,6 +388,7 @@ class UpstreamPool:
         """Fail the requests to `url` that have received no body byte yet (their instance was
         ejected): nothing reached their clients, so their callers retry them elsewhere. Returns
         how many were failed."""
+        self._aborted[url] = (self._aborted.get(url, (0, ""))[0] + 1, reason)
         waiting = [c for c in self._busy.get(url, ()) if not c.body_started]
         for connection in waiting:
             connection.abort_if_waiting(reason)
@@ -415,6 +441,11 @@ class UpstreamPool:
         except (ValueError, OverflowError) as exc:  # a host or port the socket layer refuses
             raise UpstreamError(f"cannot connect to {url!r}: {exc}") from None
         return connection
+
+
+def _without_authorization(headers: str) -> str:
+    return "".join(line + "\r\n" for line in headers.split("\r\n")
+                   if line and not line.lower().startswith("authorization:"))
 
 
 def _parse_endpoint(url: str) -> Endpoint:

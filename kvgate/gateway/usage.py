@@ -33,19 +33,36 @@ def stream_options_asking_usage(parsed: ParsedRequest) -> dict[str, Any] | None:
     return {**{k: v for k, v in options.items() if k != "continuous_usage_stats"}, "include_usage": True}
 
 
+# No prompt is longer: a larger count is an engine's bug, not a count.
+MAX_REPORTED_TOKENS = 1 << 31
+
+
 @dataclass(frozen=True, slots=True)
 class ReportedUsage:
     prompt_tokens: int
-    cached_tokens: int | None  # None: the engine does not report cached tokens
+    cached_tokens: int | None  # None: the engine does not report cached tokens (or reported nonsense)
+    refused: tuple[str, ...] = ()  # fields whose numbers were impossible, refused or clamped
 
 
 def reported_usage(usage: Any) -> ReportedUsage | None:
-    """The usage object of an answer or chunk, if it is one."""
+    """The usage object of an answer or chunk, if it is one. Numbers no engine can mean (negative,
+    beyond MAX_REPORTED_TOKENS, more cached tokens than prompt tokens) are never passed on as they
+    are: a negative count fed to a Prometheus counter raises, after the engine did the work."""
     if not isinstance(usage, dict) or type(usage.get("prompt_tokens")) is not int:
         return None
+    prompt_tokens = usage["prompt_tokens"]
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return ReportedUsage(usage["prompt_tokens"], cached if type(cached) is int else None)
+    cached = cached if type(cached) is int else None
+    refused = []
+    if not 0 <= prompt_tokens <= MAX_REPORTED_TOKENS:
+        refused.append("prompt_tokens")
+        prompt_tokens = min(max(prompt_tokens, 0), MAX_REPORTED_TOKENS)
+        cached = None  # nothing to judge it against
+    elif cached is not None and not 0 <= cached <= prompt_tokens:
+        refused.append("cached_tokens")
+        cached = None if cached < 0 else prompt_tokens
+    return ReportedUsage(prompt_tokens, cached, tuple(refused))
 
 
 class UsageTap:

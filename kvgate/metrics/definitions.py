@@ -40,6 +40,10 @@ class GatewayMetrics:
     outlier_ejections: Counter  # instance
     tokenize_cache_bytes: Gauge
     routing_panic: Gauge  # model
+    # --- untrusted input at the edges: clients' headers, engines' answers ---
+    auth_failures_throttled: Counter  # scope: api_key | admin
+    malformed_requests: Counter  # reason
+    engine_values_refused: Counter  # field
 
 
 # --- TTFT model: prediction error and calibration (scheduler/ttft.py) ---
@@ -170,6 +174,25 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
             "1 while every instance of a model (in one role) is ejected and requests are routed to them anyway.",
             ["model"], registry=registry, multiprocess_mode="livemax",
         ),
+        auth_failures_throttled=Counter(
+            "kvgate_auth_failures_throttled",
+            "Requests refused with 429 because their client address spent its failed-authentication budget "
+            "(--auth-failure-budget), by scope: api_key (/v1/*) or admin.",
+            ["scope"], registry=registry,
+        ),
+        malformed_requests=Counter(
+            "kvgate_malformed_requests",
+            "Requests the HTTP parser refused before any route saw them (bad header bytes, a header over "
+            "the size limit, too many headers), by reason.",
+            ["reason"], registry=registry,
+        ),
+        engine_values_refused=Counter(
+            "kvgate_engine_values_refused",
+            "Values from engines refused or clamped as impossible (negative or oversized usage numbers, "
+            "scraped gauges that are not finite, malformed kv_transfer_params, SSE events over "
+            "--max-sse-event-bytes, streams ended without data: [DONE]), by field.",
+            ["field"], registry=registry,
+        ),
     )
 
 
@@ -236,7 +259,7 @@ def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
     return HitMetrics(
         predicted_tokens=Counter(
             "kvgate_predicted_cached_tokens",
-            "Prompt tokens the store held on the instance when the gateway routed to it (its predicted "
+            "Prompt tokens the store or the KV events held on the instance when the gateway routed to it (its predicted "
             "prefix hit), over answers whose engine reported cached tokens.",
             ["instance"], registry=registry,
         ),

@@ -79,7 +79,10 @@ async def test_token_ids_equal_the_engines_tokenize(engines, tokenizer_service):
 
 async def test_account_reconciles_with_the_engines_load(engines, engine_tokenizer):
     """While streams run, kvgate's in-flight count per instance equals the engine's running + waiting."""
-    gateway = await start_gateway(settings_for(engines, stats_poll_interval_s=0.2), tokenizer=engine_tokenizer)
+    # Probes time out after their interval: a busy engine on one CPU core answers /health and
+    # /metrics in up to a second or so, which is not the failure the other tests eject for.
+    gateway = await start_gateway(settings_for(engines, stats_poll_interval_s=1.0, health_check_interval_s=3.0),
+                                  tokenizer=engine_tokenizer)
     try:
         await _reconcile(engines, gateway)
     finally:
@@ -104,7 +107,9 @@ async def _reconcile(engines, gateway) -> None:
             assert account.inflight(instance)[0] == engine_held
             # The scraper reads the same figures from the engine's metrics (vllm:num_requests_*).
             await wait_until(lambda i=instance, n=engine_held: account.load(i).num_requests == n and
-                             account.rows.engine(i) is not None and account.rows.engine(i).num_running == n)
+                             account.rows.engine(i) is not None and
+                             account.rows.engine(i).num_running + account.rows.engine(i).num_waiting == n,
+                             timeout_s=15.0)
     finally:
         for stream in streams:
             await stream.close()

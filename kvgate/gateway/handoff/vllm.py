@@ -20,10 +20,13 @@ from __future__ import annotations
 import secrets
 
 import aiohttp
+import orjson
 
 from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.handoff.base import Body, HandOff, HandOffError, PairAttempt, bootstrap_host
 
+# A NIXL answer for a 128K-token prompt in 16-token blocks holds ~8,000 block ids (~50 KB).
+MAX_TRANSFER_PARAMS_BYTES = 1024 * 1024
 # A bootstrap server answers its /query at once; only a cache miss waits for it.
 _QUERY_TIMEOUT_S = 5.0
 
@@ -73,7 +76,30 @@ class _Attempt(PairAttempt):
             }
         if not isinstance(params, dict) or not params:
             raise HandOffError("the prefill answer carries no kv_transfer_params (is a KV connector configured?)")
+        check_transfer_params(params)
         return {**self._body, "kv_transfer_params": params}
+
+
+def check_transfer_params(params: Body) -> None:
+    """Refuse parameters no connector sends (HandOffError: the pair is retried): they are passed to
+    the decode instance as they are, so an oversized or mistyped one would fail or stall it instead."""
+    if len(orjson.dumps(params)) > MAX_TRANSFER_PARAMS_BYTES:
+        raise HandOffError(f"the prefill answer's kv_transfer_params exceed {MAX_TRANSFER_PARAMS_BYTES} bytes")
+    port = params.get("remote_port")
+    if port is not None and (type(port) is not int or not 1 <= port <= 65535):
+        raise HandOffError(f"the prefill answer's kv_transfer_params name an impossible remote_port {port!r}")
+    blocks = params.get("remote_block_ids")
+    if blocks is not None and not _block_ids(blocks):
+        raise HandOffError("the prefill answer's kv_transfer_params hold remote_block_ids that are not "
+                           "lists of non-negative integers")
+
+
+def _block_ids(value: object) -> bool:
+    """A list of block ids, or (one per KV cache group in recent vLLM) a list of such lists."""
+    if not isinstance(value, list):
+        return False
+    return all(type(v) is int and v >= 0 or isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)
+               for v in value)
 
 
 class VLLMHandOff(HandOff):

@@ -84,7 +84,9 @@ class InstanceFeed:
         self._context = context
         self._id = config.id
         self._last: int | None = None  # last sequence number applied
-        self._replayed_through: int | None = None  # live messages up to here were replayed already
+        # Live messages queued behind the one that started a replay, (after, through]: applied by the
+        # replay already. Only those: an engine that restarts later also sends numbers below `through`.
+        self._replayed: tuple[int, int] | None = None
         self._socket: zmq.asyncio.Socket | None = None
 
     @property
@@ -127,9 +129,10 @@ class InstanceFeed:
             self._index.set_state(self.slot, FeedState.SYNCED if seq == 0 else FeedState.PARTIAL)
             self._apply(seq, payload)
         elif seq == self._last + 1:
+            self._replayed = None  # past the replayed window: a step back is a restart again
             self._apply(seq, payload)
         elif seq <= self._last:
-            if self._replayed_through is not None and seq <= self._replayed_through:
+            if self._replayed is not None and self._replayed[0] < seq <= self._replayed[1]:
                 self._metrics.dropped.labels(self._id, "duplicate").inc()
                 return
             log.warning("KV events of %s: sequence went back from %d to %d (engine restart): forgetting its "
@@ -161,8 +164,9 @@ class InstanceFeed:
         for seq, payload in batches or ():
             if self._last is None or seq > self._last:
                 self._apply(seq, payload)
-        self._replayed_through = self._last
         seq, payload = live
+        if self._last is not None:
+            self._replayed = (seq, self._last)
         if self._last is None or seq > self._last:
             await self._sequence(seq, payload, replaying=True)
 
@@ -248,7 +252,7 @@ class InstanceFeed:
         self._metrics.resets.labels(self._id, reason).inc()
         if state == FeedState.SILENT:
             self._last = None
-        self._replayed_through = None
+        self._replayed = None
         self.publish_blocks()
 
     def publish_blocks(self) -> None:
