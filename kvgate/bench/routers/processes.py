@@ -20,9 +20,14 @@ from kvgate.bench.routers.targets import (
     KVGATE,
     MODEL,
     OVERHEAD_CACHE_AWARE_MIN_TOKENS,
+    VLLM_MAX_MODEL_LEN,
     RoutersConfig,
     Target,
 )
+from kvgate.config.engines import engines_home
+from kvgate.engines.install import vllm_venv
+from kvgate.engines.model import tiny_model
+from kvgate.engines.vllm import VLLMEngine, VLLMEngineSpec, fleet_specs, vllm_fleet
 from kvgate.processes import LocalProcess, free_port
 
 _START_TIMEOUT_S = 90.0
@@ -69,8 +74,44 @@ class Engine:
     max_model_len: int | None = None  # real engines: their --max-model-len
 
 
+@dataclass(frozen=True)
+class RealFleet:
+    """Real vLLM engines, started once for every target, and what kvgate must share with them."""
+
+    engines: list[Engine]
+    handles: list[VLLMEngine]
+    gateway_settings: dict  # tokenizer, block size and hash seed: kvgate hashes as the engines do
+
+    def reset(self) -> None:
+        """A cold start for the next target: every engine's prefix cache emptied."""
+        for handle in self.handles:
+            handle.reset_prefix_cache()
+
+
+def vllm_fleet_specs(config: RoutersConfig, model_dir: Path) -> list[VLLMEngineSpec]:
+    return fleet_specs(model_dir, config.model, config.engines, config.cache_capacity_blocks, VLLM_MAX_MODEL_LEN)
+
+
+@contextlib.contextmanager
+def vllm_engines(config: RoutersConfig, log_dir: Path) -> Iterator[RealFleet]:
+    """`config.engines` real vLLM engines serving the tiny model, publishing KV events (no store).
+
+    Raises EnginesMissing (with the install command) when the engines' virtualenv is not there.
+    """
+    home = engines_home()
+    venv = vllm_venv(home)
+    model_dir = tiny_model(venv, home)
+    with vllm_fleet(vllm_fleet_specs(config, model_dir), venv, log_dir) as handles:
+        spec = handles[0].spec
+        engines = [Engine(h.url, "", h.spec.kv_events_endpoint, h.spec.kv_events_replay_endpoint,
+                          h.spec.max_model_len) for h in handles]
+        yield RealFleet(engines, handles, {"tokenizer": str(model_dir), "kvs_chunk_size": spec.block_size,
+                                           "hash_seed": spec.hash_seed})
+
+
 @contextlib.contextmanager
 def mock_engines(config: RoutersConfig, redis_url: str, log_dir: Path) -> Iterator[list[Engine]]:
+    """Fresh mock engines: a cache, a store segment behind it in Redis's index, KV events."""
     engines, specs = [], []
     for i in range(config.engines):
         port = free_port()
@@ -108,9 +149,10 @@ def instant_backends(count: int, log_dir: Path) -> Iterator[list[Engine]]:
 
 def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: str, tokenizer: str,
                   workers: int = 1, cache_aware_min_tokens: int | None = None, view: str = "store",
-                  model: str = MODEL) -> dict:
+                  model: str = MODEL, matching: dict | None = None) -> dict:
     """The gateway's YAML settings: the engines as instances, with their Redis endpoints as
-    kvs_endpoints when the view reads the store, their KV events endpoints when it reads events."""
+    kvs_endpoints when the view reads the store, their KV events endpoints when it reads events;
+    `matching`: settings that must match the engines (real engines: RealFleet.gateway_settings)."""
     store, events = view in ("store", "both"), view in ("events", "both")
     instances = []
     for i, e in enumerate(engines):
@@ -137,6 +179,7 @@ def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: 
         config["tokenizer"] = tokenizer
     if cache_aware_min_tokens is not None:
         config["cache_aware_scheduling_min_tokens"] = cache_aware_min_tokens
+    config.update(matching or {})
     return config
 
 
@@ -169,19 +212,19 @@ def pinned(cpus: set[int] | None) -> Iterator[None]:
 @contextlib.contextmanager
 def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment, redis_url: str,
            tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None,
-           model: str = MODEL) -> Iterator[RouterProcess]:
+           model: str = MODEL, matching: dict | None = None) -> Iterator[RouterProcess]:
     """The target in front of `engines`, on `cpus` if given."""
     if target.router == DIRECT:
         yield RouterProcess(engines[0].url, None)
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    slug = f"{target.router}-{target.policy}-w{target.workers}-{phase}"
+    slug = f"{target.router}-{target.policy}-{target.view}-w{target.workers}-{phase}"
     if target.router == KVGATE:
         config_path = log_dir / f"{slug}.yaml"
         min_tokens = OVERHEAD_CACHE_AWARE_MIN_TOKENS if phase == "overhead" else None
         config = kvgate_config(target.policy, port, engines, redis_url, tokenizer, target.workers, min_tokens,
-                               target.view, model)
+                               target.view, model, matching)
         config_path.write_text(yaml.safe_dump(config))
         argv = _kvgate_cli("serve", "--config", str(config_path), "--log-level", "WARNING")
     else:

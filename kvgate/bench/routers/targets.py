@@ -8,6 +8,7 @@ from pathlib import Path
 from kvgate.bench import peers
 from kvgate.bench.loadgen import ClosedLoopResult, ReplaySummary
 from kvgate.config.settings import Settings
+from kvgate.engines.model import TINY_MODEL_NAME
 from kvgate.scheduler.registry import POLICY_NAMES
 
 KVGATE = "kvgate"
@@ -24,6 +25,11 @@ OVERHEAD_CACHE_AWARE_MIN_TOKENS = 256
 # KV events, or both (each instance's hit is the longer of the two; docs/KV_EVENTS.md).
 VIEWS = ("store", "events", "both")
 ENGINE_KINDS = ("mock", "vllm")
+# Real engines: the tiny model's context (it has 32K positions; on CPU, prefill cost grows with it)
+# and KV blocks per engine (512 B of KV per token: 1,024 blocks are 128 MiB of the 1 GiB KV space).
+VLLM_MAX_MODEL_LEN = 8192
+VLLM_ENGINES = 2
+VLLM_CACHE_BLOCKS = 1024
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,13 @@ DEFAULT_TARGETS = (
 class RoutersConfig:
     trace: str
     engines: int = 4
-    # KV blocks of 256 tokens per engine: ~3.4M tokens, an 80 GB GPU's HBM (426K tokens) plus the
-    # host DRAM it lends to a KV store, as `kvgate simulate` assumes (docs/BENCHMARKS.md). With HBM
-    # alone most of the trace's reuse is evicted before it comes back and no router finds hits.
-    cache_capacity_blocks: int = 13312
+    # Mock engines: KV blocks of 256 tokens in each engine's own cache (HBM: 1,664 blocks = 426K
+    # tokens, an 80 GB GPU's) and in the store segment behind it (the host DRAM it lends to the KV
+    # store: 11,648 more, ~3.4M tokens in all, as `kvgate simulate` assumes; docs/BENCHMARKS.md).
+    # The store index lists the segment, the KV events the cache: the store knows more, as in
+    # production. Real engines: their --num-gpu-blocks-override (no store).
+    cache_capacity_blocks: int = 1664
+    store_segment_blocks: int = 11648
     # speedup x time_scale = 1: the engines see the trace's real load, only faster. Kept small
     # because routers' CPU work (tokenizing, hashing) is not scaled: at 10x a tokenizing router
     # does ten times its real work per unit of engine time, on the engines' cores.
@@ -108,22 +117,21 @@ class RoutersConfig:
     # Replay phase: routers on their own core(s), engines and the load generator on the others,
     # so no router's CPU work slows the engines' simulated clocks (see cpu_split).
     pin_cpus: bool = True
-    # Mock engines: their own DRAM store segment behind the cache, in blocks (0: none, the store
-    # index mirrors the cache; larger than cache_capacity_blocks: the store knows more than the events).
-    store_segment_blocks: int = 0
-    # mock: `kvgate mock-engine` processes, fresh per target. vllm: real vLLM engines (the tiny
-    # model, one core each), started once; their prefix caches are reset between targets.
+    # mock: `kvgate mock-engine` processes, fresh per target. vllm: real vLLM engines (the tiny model,
+    # on alternate cores), started once; their prefix caches are emptied before each target.
     engines_kind: str = "mock"
-    # Trace prompts cut to this many tokens (their leading blocks), e.g. for engines on CPU; None: whole.
+    # Trace prompts cut to their first N tokens (whole trace blocks kept, the reuse structure of the
+    # leading part intact); None: whole prompts. Real engines: at most VLLM_MAX_MODEL_LEN - max_tokens_cap.
     max_prompt_tokens: int | None = None
 
     @property
     def model(self) -> str:
-        if self.engines_kind == "vllm":
-            from kvgate.engines.model import TINY_MODEL_NAME
+        return TINY_MODEL_NAME if self.engines_kind == "vllm" else MODEL
 
-            return TINY_MODEL_NAME
-        return MODEL
+    @property
+    def has_store(self) -> bool:
+        """Real engines publish to no store: only their KV events can be routed on."""
+        return self.engines_kind == "mock"
 
 
 @dataclass
@@ -138,6 +146,8 @@ class TargetResult:
     # The engines' own hit ratio over the target's replay: the rise of vllm:prefix_cache_hits over that
     # of vllm:prefix_cache_queries (real engines: what they really reused).
     engine_hit_ratio: float | None = None
+    # The replayed slice's bound: one infinite cache shared by every engine (trace.ideal_hit_ratio).
+    ideal_hit_ratio: float | None = None
     # kvgate only: mean milliseconds per request in each gateway stage (tokenize, kvs, schedule).
     gateway_stage_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
