@@ -190,8 +190,8 @@ def test_flags_real_engines():
                                       "kvgate:cache_aware@events,kvgate:round_robin@events,sglang-router:cache_aware"))
     assert config.engines == 2 and config.cache_capacity_blocks == VLLM_CACHE_BLOCKS
     assert config.model == TINY_MODEL_NAME and not config.has_store and config.store_segment_blocks == 0
-    # Prompts fit the engines' context with room for the capped output.
-    assert config.max_prompt_tokens == VLLM_MAX_MODEL_LEN - config.max_tokens_cap
+    # Prompts fit the engines' context with room for the capped output, in whole KV blocks.
+    assert config.max_prompt_tokens == 7936 and 7936 + config.max_tokens_cap <= VLLM_MAX_MODEL_LEN
     assert config_from(routers_args("--engines-kind", "vllm", "--targets", "kvgate:cache_aware@events",
                                     "--max-prompt-tokens", "2048")).max_prompt_tokens == 2048
     with pytest.raises(ValueError, match="exceed the real engines' context"):

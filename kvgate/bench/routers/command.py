@@ -57,7 +57,8 @@ def add_parser(subparsers) -> None:
                         f"in the store index (default {d.store_segment_blocks}; 0: the index mirrors the cache)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="cut every trace prompt to its first N tokens (default: whole prompts; real "
-                        f"engines: {VLLM_MAX_MODEL_LEN} - --max-tokens-cap, their context)")
+                        f"engines: whole KV blocks within their {VLLM_MAX_MODEL_LEN}-token context less "
+                        "--max-tokens-cap)")
     parser.add_argument("--time-scale", type=float, default=d.time_scale,
                         help=f"engines' real seconds per modelled GPU second (default {d.time_scale})")
     parser.add_argument("--speedup", type=float, default=d.speedup, help=f"trace time compression (default {d.speedup})")
@@ -114,7 +115,9 @@ def config_from(args: argparse.Namespace) -> RoutersConfig:
         if engines > 8:
             raise ValueError("--engines-kind vllm: at most 8 engines (one core each, alternating)")
         context = VLLM_MAX_MODEL_LEN - args.max_tokens_cap
-        max_prompt_tokens = context if max_prompt_tokens is None else max_prompt_tokens
+        # Default: the longest whole number of KV blocks that leaves room for the capped output.
+        default = context // ENGINE_BLOCK_TOKENS * ENGINE_BLOCK_TOKENS
+        max_prompt_tokens = default if max_prompt_tokens is None else max_prompt_tokens
         if max_prompt_tokens > context:
             raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} + --max-tokens-cap {args.max_tokens_cap} "
                              f"exceed the real engines' context ({VLLM_MAX_MODEL_LEN} tokens)")
