@@ -187,7 +187,10 @@ def test_flags_mock_engines_defaults():
 
 def test_flags_real_engines():
     config = config_from(routers_args("--engines-kind", "vllm", "--targets",
-                                      "kvgate:cache_aware@events,kvgate:round_robin@events,sglang-router:cache_aware"))
+                                      "kvgate:cache_aware@events,kvgate:round_robin,sglang-router:cache_aware"))
+    # A kvgate target naming no view routes on the KV events: there is no store.
+    assert [t.label for t in config.targets] == ["kvgate cache_aware@events", "kvgate round_robin@events",
+                                                 "sglang-router cache_aware"]
     assert config.engines == 2 and config.cache_capacity_blocks == VLLM_CACHE_BLOCKS
     assert config.model == TINY_MODEL_NAME and not config.has_store and config.store_segment_blocks == 0
     # Prompts fit the engines' context with room for the capped output, in whole KV blocks.
@@ -202,10 +205,10 @@ def test_flags_real_engines():
 
 
 def test_real_engines_refuse_store_views(capsys, tmp_path):
-    """No store behind real engines: @store (the default view) and @both are refused before anything starts."""
+    """No store behind real engines: @store and @both are refused before anything starts."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
-    args = routers_args("--engines-kind", "vllm", "--targets", "kvgate:cache_aware,kvgate:cache_aware@both")
+    args = routers_args("--engines-kind", "vllm", "--targets", "kvgate:cache_aware@store,kvgate:cache_aware@both")
     args.trace = str(trace)
     assert routers_run(args) == 2
     err = capsys.readouterr().err

@@ -73,7 +73,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--targets", default=",".join(
         t.router if t.router == DIRECT else f"{t.router}:{t.policy}" for t in DEFAULT_TARGETS),
         help="comma-separated router:policy list (direct = one backend, the overhead baseline); kvgate "
-        "targets may name their cache view: kvgate:cache_aware@store (the default), @events or @both")
+        "targets may name their cache view: kvgate:cache_aware@store (the default; with --engines-kind vllm "
+        "@events), @events or @both")
     parser.add_argument("--workers", default="1",
                         help="comma-separated `kvgate serve --workers` counts; each kvgate target runs once per count")
     parser.add_argument("--venv", type=Path, default=None,
@@ -91,12 +92,14 @@ def config_from(args: argparse.Namespace) -> RoutersConfig:
     workers = tuple(int(w) for w in args.workers.split(",") if w.strip())
     if not workers or min(workers) < 1:
         raise ValueError("--workers needs positive counts, e.g. 1,2")
+    real = args.engines_kind == "vllm"
+    # Real engines have no store: a kvgate target that names no view routes on their KV events.
+    default_view = "events" if real else "store"
     targets = tuple(expanded for t in args.targets.split(",") if t.strip()
-                    for expanded in Target.parse(t.strip()).with_workers(workers))
+                    for expanded in Target.parse(t.strip(), default_view).with_workers(workers))
     concurrency = tuple(int(c) for c in args.overhead_concurrency.split(",") if c.strip())
     if not targets or not concurrency or min(concurrency) < 1:
         raise ValueError("--targets and --overhead-concurrency need at least one entry; concurrency >= 1")
-    real = args.engines_kind == "vllm"
     engines = args.engines if args.engines is not None else VLLM_ENGINES if real else RoutersConfig.engines
     cache_blocks = (args.cache_capacity_blocks if args.cache_capacity_blocks is not None
                     else VLLM_CACHE_BLOCKS if real else RoutersConfig.cache_capacity_blocks)

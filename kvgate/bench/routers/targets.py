@@ -47,8 +47,9 @@ class Target:
         return f"{self.router} {self.policy}@{self.view}{workers}"
 
     @classmethod
-    def parse(cls, text: str) -> Target:
-        """router[:policy], or kvgate:policy[@view][:workers] (view: store, the default, events or both)."""
+    def parse(cls, text: str, default_view: str = "store") -> Target:
+        """router[:policy], or kvgate:policy[@view][:workers] (view: store, events or both; without one,
+        `default_view`)."""
         router, _, policy = text.partition(":")
         policy, _, workers = policy.partition(":")
         policy, at, view = policy.partition("@")
@@ -68,7 +69,7 @@ class Target:
         policies = list(POLICY_NAMES) if router == KVGATE else list(peers.PEER_POLICIES)
         if policy not in policies:
             raise ValueError(f"{text!r}: policy must be one of {policies}")
-        return cls(router, policy, int(workers or 1), view or "store")
+        return cls(router, policy, int(workers or 1), view or default_view)
 
     def with_workers(self, counts: tuple[int, ...]) -> list[Target]:
         """kvgate once per worker count; any other target as it is."""
