@@ -16,7 +16,13 @@ from kvgate.bench.loadgen import ClosedLoopResult, LatencyStats, summarize_repla
 from kvgate.bench.routers import add_parser
 from kvgate.bench.routers.command import config_from
 from kvgate.bench.routers.command import run as routers_run
-from kvgate.bench.routers.phases import engines_figures, gateway_stage_ms, serves_tokenize, unavailable_reason
+from kvgate.bench.routers.phases import (
+    engines_figures,
+    gateway_hit_comparisons,
+    gateway_stage_ms,
+    serves_tokenize,
+    unavailable_reason,
+)
 from kvgate.bench.routers.processes import Engine, cpu_split, kvgate_config, pinned, vllm_fleet_specs
 from kvgate.bench.routers.report import added_latency_ms, plot, results_json, table_rows
 from kvgate.bench.routers.targets import (
@@ -255,6 +261,19 @@ def test_cpu_split_and_pinning():
     assert os.sched_getaffinity(0) == available
 
 
+def hit_accounting_text(counts: dict[tuple[str, str], int]) -> str:
+    """kvgate's own hit-accounting counters, as its /metrics shows them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvgate.metrics.definitions import hit_metrics
+
+    registry = CollectorRegistry()
+    comparisons = hit_metrics(registry).comparisons
+    for (instance, outcome), count in counts.items():
+        comparisons.labels(instance, outcome).inc(count)
+    return generate_latest(registry).decode()
+
+
 async def test_gateway_stage_means_and_tokenize_probe():
     """Read over real HTTP: kvgate's stage histogram, and a backend that does not serve /tokenize."""
     from aiohttp import web
@@ -269,7 +288,8 @@ async def test_gateway_stage_means_and_tokenize_probe():
         'kvgate_stage_seconds_bucket{stage="kvs",le="+Inf"} 2.0',
         'kvgate_stage_seconds_count{stage="kvs"} 2.0',
         'kvgate_stage_seconds_sum{stage="kvs"} 0.003',
-    ]) + "\n"
+    ]) + "\n" + hit_accounting_text({("engine-0", "agree"): 6, ("engine-1", "agree"): 2,
+                                      ("engine-1", "engine_higher"): 2, ("engine-1", "unreported"): 5})
     async def gateway_metrics(request: web.Request) -> web.Response:
         return web.Response(text=metrics)
 
@@ -282,10 +302,15 @@ async def test_gateway_stage_means_and_tokenize_probe():
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
         stages = await asyncio.to_thread(gateway_stage_ms, url + "/gateway-metrics")
+        comparisons = await asyncio.to_thread(gateway_hit_comparisons, url + "/gateway-metrics")
         tokenize = await asyncio.to_thread(serves_tokenize, Engine(url, ""))
     finally:
         await runner.cleanup()
     assert stages == {"tokenize": pytest.approx(50.0), "kvs": pytest.approx(1.5)}
+    assert comparisons == {"agree": 8, "engine_higher": 2, "unreported": 5}
+    result = TargetResult(Target("kvgate", "cache_aware"), hit_comparisons=comparisons)
+    assert result.view_agreement == pytest.approx(0.8)  # answers without cached tokens are not compared
+    assert "view agreed with the engine on 80% (engine higher 2, view higher 0)" in table_rows([result], (1,))[1][0][-1]
     assert tokenize is False
 
 

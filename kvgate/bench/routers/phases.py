@@ -80,6 +80,19 @@ def gateway_stage_ms(gateway_url: str) -> dict[str, float]:
     return {stage: sums[stage] / counts[stage] * 1000 for stage in sums if counts.get(stage)}
 
 
+def gateway_hit_comparisons(gateway_url: str) -> dict[str, int]:
+    """kvgate's closed-loop hit accounting, summed over instances: answers whose engine-reported cached
+    tokens agreed with the hit the cache view predicted (within one chunk), or were higher or lower."""
+    outcomes: dict[str, int] = {}
+    for family in _metric_families(gateway_url):
+        if family.name == "kvgate_hit_comparisons":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels.get("outcome", "")
+                    outcomes[outcome] = outcomes.get(outcome, 0) + int(sample.value)
+    return outcomes
+
+
 def serves_tokenize(engine: Engine, model: str = MODEL) -> bool:
     """Whether the engine answers vLLM's POST /tokenize (vllm-router's cache_aware asks every worker)."""
     body = json.dumps({"model": model, "prompt": "probe"}).encode()
@@ -169,6 +182,7 @@ def run_targets(config: RoutersConfig, trace: TraceSlice, log_dir: Path) -> list
                         engines_figures(result, before, [read_prefix_cache_counters(e.url) for e in engines])
                         if target.router == KVGATE:
                             result.gateway_stage_ms = gateway_stage_ms(routed.url)
+                            result.hit_comparisons = gateway_hit_comparisons(routed.url)
                         if target == Target("vllm-router", "cache_aware") and not serves_tokenize(
                                 engines[0], config.model):
                             result.notes.append("engines answer 404 to /tokenize: its tree works without token ids")

@@ -59,6 +59,10 @@ def table_rows(results: Sequence[TargetResult], concurrency: Sequence[int]) -> t
         loop = r.overhead.get(top)
         row.append(_fmt(loop.requests_per_s if loop else None, "{:,.0f}"))
         notes = [r.reason] if r.status != "ok" else (["absolute latency (baseline)"] if r is baseline else [])
+        if r.view_agreement is not None:
+            c = r.hit_comparisons
+            notes.append(f"view agreed with the engine on {r.view_agreement:.0%} (engine higher "
+                         f"{c.get('engine_higher', 0)}, view higher {c.get('gateway_higher', 0)})")
         if "tokenize" in r.gateway_stage_ms:
             notes.append(f"tokenize stage {r.gateway_stage_ms['tokenize']:.0f} ms/req")
         notes += r.notes
@@ -85,7 +89,8 @@ def results_json(config: RoutersConfig, results: Sequence[TargetResult]) -> dict
                     "replay": r.replay.to_dict() if r.replay else None,
                     "engine_prompt_tokens": list(r.engine_prompt_tokens), "load_skew": r.load_skew,
                     "engine_hit_ratio": r.engine_hit_ratio, "ideal_hit_ratio": r.ideal_hit_ratio,
-                    "gateway_stage_ms": r.gateway_stage_ms, "notes": r.notes, "load_average": r.load_average,
+                    "gateway_stage_ms": r.gateway_stage_ms, "hit_comparisons": r.hit_comparisons,
+                    "notes": r.notes, "load_average": r.load_average,
                     "overhead": overhead})
     settings = {k: v for k, v in asdict(config).items() if k not in ("targets", "venv_dir", "log_dir")}
     return {"config": settings, "results": out}

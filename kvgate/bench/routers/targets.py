@@ -149,11 +149,20 @@ class TargetResult:
     engine_hit_ratio: float | None = None
     # The replayed slice's bound: one infinite cache shared by every engine (trace.ideal_hit_ratio).
     ideal_hit_ratio: float | None = None
+    # kvgate only: answers by how the engine's cached tokens compared with the hit the cache view
+    # predicted (agree, engine_higher, gateway_higher, unreported): is the view what the engines hold?
+    hit_comparisons: dict[str, int] = field(default_factory=dict)
     # kvgate only: mean milliseconds per request in each gateway stage (tokenize, kvs, schedule).
     gateway_stage_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     load_average: tuple[float, float, float] | None = None  # 1-min load when the target finished
     overhead: dict[int, ClosedLoopResult] = field(default_factory=dict)
+
+    @property
+    def view_agreement(self) -> float | None:
+        """Share of compared answers whose engine found what the cache view predicted (within a chunk)."""
+        compared = sum(n for outcome, n in self.hit_comparisons.items() if outcome != "unreported")
+        return self.hit_comparisons.get("agree", 0) / compared if compared else None
 
     @property
     def load_skew(self) -> float | None:
