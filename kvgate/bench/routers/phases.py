@@ -155,7 +155,10 @@ def run_targets(config: RoutersConfig, trace: TraceSlice, log_dir: Path) -> list
     router_cpus, other_cpus = split if split else (None, None)
     results = []
     with contextlib.ExitStack() as stack:
-        redis = stack.enter_context(start_redis_server(log_dir))
+        # The store only kvgate asks shares the router's core(s), not the engines': a Redis starved by the
+        # engines' CPU work misses kvgate's lookup budget and is marked down (routing blind meanwhile).
+        with pinned(router_cpus):
+            redis = stack.enter_context(start_redis_server(log_dir))
         fast = stack.enter_context(instant_backends(config.overhead_backends, log_dir))
         real = None
         if config.engines_kind == "vllm" and any(unavailable_reason(t, env, config) is None
