@@ -391,3 +391,17 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "img" / "routers.png"
     plot(sample_results(), (1, 32), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_real_engines_missing_say_how_to_install(capsys, monkeypatch, tmp_path):
+    """Without the engines' virtualenv the run stops before any replay, naming the install command."""
+    from kvgate.config.engines import ENGINES_HOME_ENV
+    from kvgate.engines.install import INSTALL_COMMAND
+
+    monkeypatch.setenv(ENGINES_HOME_ENV, str(tmp_path / "no-engines"))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    args = routers_args("--engines-kind", "vllm", "--targets", "kvgate:cache_aware", "--log-dir", str(tmp_path / "logs"))
+    args.trace = str(trace)
+    assert routers_run(args) == 1
+    assert f"run `{INSTALL_COMMAND}`" in capsys.readouterr().err
