@@ -6,6 +6,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -98,14 +99,16 @@ class EmbeddedFleet:
     """Mock engines publishing into one in-process index, behind a cache-aware gateway reading it.
 
     `engine_settings` gives each engine its own hashing settings (a different seed makes an engine
-    whose keys the gateway never finds); the gateway hashes with `settings`.
+    whose keys the gateway never finds); the gateway hashes with `settings`. `start` starts another
+    front door over the same core instead of the HTTP gateway (the endpoint picker's `start_picker`).
     """
 
-    def __init__(self, settings: Settings, engine_settings: dict[str, Settings]) -> None:
+    def __init__(self, settings: Settings, engine_settings: dict[str, Settings], start: Callable | None = None) -> None:
         self.settings = settings
         self.engine_settings = engine_settings
         self.engines: dict = {}
-        self.gateway: GatewayHandle | None = None
+        self.gateway: Any = None  # a GatewayHandle, or what `start` returned
+        self._start = start
 
     async def __aenter__(self) -> EmbeddedFleet:
         from kvgate.engine_model import ServiceProfile
@@ -127,7 +130,7 @@ class EmbeddedFleet:
             instances.append(InstanceConfig(id=instance_id, url=engine.url, model=config.model,
                                             kvs_endpoints=(endpoint,)))
         self.settings = self.settings.model_copy(update={"instances": instances})
-        self.gateway = await start_gateway(self.settings, kvs_index=index, tokenizer=tokenizer())
+        self.gateway = await (self._start or start_gateway)(self.settings, kvs_index=index, tokenizer=tokenizer())
         return self
 
     async def flushed(self) -> None:

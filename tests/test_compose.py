@@ -154,8 +154,31 @@ def test_mock_fleet_wiring_agrees_everywhere():
     assert set(gateway["depends_on"]) == set(engines)
 
 
+def gateway_get_routes() -> set[str]:
+    """The GET paths kvgate's gateway application really serves (probes and scrapes must use these)."""
+    from kvgate.gateway.app import build_app
+    from tests.gateway_helpers import gateway_settings, tokenizer
+
+    app = build_app(gateway_settings({}, "m"), tokenizer=tokenizer())
+    return {route.resource.canonical for route in app.router.routes() if route.method == "GET"}
+
+
+@pytest.mark.parametrize("name", _kvgate_services("serve"))
+def test_gateway_healthchecks_ask_the_gateway_s_readiness_route(name):
+    """Compose starts what depends on a gateway once this passes: it must be the real /health on
+    the port the gateway listens on."""
+    check = SERVICES[name].get("healthcheck")
+    assert check, f"{name} has no healthcheck"
+    url = urlsplit(re.search(r"urlopen\('([^']+)'", " ".join(check["test"])).group(1))
+    assert url.path == "/health" and url.path in gateway_get_routes()
+    assert (url.hostname, url.port) == ("127.0.0.1", _gateway_settings(name).port)
+
+
 def test_prometheus_scrapes_every_gateway_and_engine():
     scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"]
+    # kvgate labels its per-engine series `instance`: without honor_labels they become exported_instance
+    # and the dashboard's `by (instance)` panels show the gateway's address instead.
+    assert next(job for job in scrape if job["job_name"] == "kvgate")["honor_labels"] is True
     targets = {t for job in scrape for group in job["static_configs"] for t in group["targets"]}
     expected = {f"{_ip('mooncake-master')}:{_flags(_argv(SERVICES['mooncake-master']))['metrics_port']}"}
     for config_name in ("kvgate.yaml", "kvgate-vllm.yaml", "kvgate-pd.yaml"):

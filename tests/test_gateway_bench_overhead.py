@@ -31,10 +31,10 @@ W1, W2 = gateway_label(1), gateway_label(2)
 
 def test_figures_are_medians_over_runs_of_each_runs_own_difference():
     row = OverheadRow(1, (
-        OverheadRun(loop(1.0, 1000), {W1: RoutedLoop(loop(1.5, 800), 0.2), PEER.label: RoutedLoop(loop(1.2, 400))}),
+        OverheadRun(loop(1.0, 1000), {W1: RoutedLoop(loop(1.5, 800), {"kvgate serve": 0.2}), PEER.label: RoutedLoop(loop(1.2, 400))}),
         # A run where /proc could not be read, and the peer did not run.
-        OverheadRun(loop(3.0, 900), {W1: RoutedLoop(loop(3.1, 700), None)}),
-        OverheadRun(loop(2.0, 950), {W1: RoutedLoop(loop(2.4, 600, errors=2), 0.4),
+        OverheadRun(loop(3.0, 900), {W1: RoutedLoop(loop(3.1, 700))}),
+        OverheadRun(loop(2.0, 950), {W1: RoutedLoop(loop(2.4, 600, errors=2), {"kvgate serve": 0.4}),
                                      PEER.label: RoutedLoop(loop(2.2, 1200))}),
     ))
     assert row.labels == [W1, PEER.label]

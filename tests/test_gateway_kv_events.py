@@ -14,6 +14,7 @@ from kvgate.config.settings import InstanceConfig, KVSBackendName
 from kvgate.gateway.server import start_gateway
 from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.kvs_client import EmbeddedKVSIndex
+from kvgate.scheduler.hashing import BlockExtras
 from kvgate.scheduler.router import Scheduler
 from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer
 from tests.kv_events_engine import FakeEventsEngine, removed
@@ -138,13 +139,18 @@ async def test_events_beside_a_store_each_hit_says_where_it_came_from(fleet):
         assert scores["e1"]["transfer_tokens"] == 2 * BLOCK
         assert plan["selected"] == "e1"
 
-        # A salted prompt's blocks hash otherwise in the engine: routed without the events index.
-        salted = await schedule(gateway.url, {**body, "cache_salt": "tenant-a"})
-        assert salted["events_status"] == "unavailable"
+        # A salted prompt's blocks hash otherwise, in the engine as in kvgate: not a hit until the
+        # engine stores it salted, then a hit for that salt only.
+        salted_body = {**body, "cache_salt": "tenant-a"}
+        salted = await schedule(gateway.url, salted_body)
+        assert salted["events_status"] == "ok"
         assert by_id(salted)["e1"]["prefix_hit_tokens"] == 0
+        await engines[1].publish([engines[1].store_prompt(PROMPT[: 3 * BLOCK], extras=BlockExtras(cache_salt="tenant-a"))])
+        salted = await plan_once(gateway.url, salted_body, lambda scores: scores["e1"]["prefix_hit_tokens"] == 3 * BLOCK)
+        assert by_id(await schedule(gateway.url, {**body, "cache_salt": "tenant-b"}))["e1"]["prefix_hit_tokens"] == 0
         async with aiohttp.ClientSession() as session, session.get(gateway.url + "/metrics") as response:
             text = await response.text()
-        assert 'kvgate_kv_events_unmatched_requests_total{reason="cache_salt"} 1.0' in text
+        assert not [line for line in text.splitlines() if line.startswith("kvgate_kv_events_unmatched_requests")]
         assert 'kvgate_kv_events_blocks{instance="e1",medium="CPU"} 2.0' in text
         assert "kvgate_kv_events_subscriptions 1.0" in text
     finally:
@@ -181,3 +187,45 @@ async def test_a_long_text_prompt_is_tokenized_as_far_as_an_engine_holds_it(flee
         assert "kvgate_tokenize_extensions_total 0.0" not in text
     finally:
         await gateway.close()
+
+
+async def test_a_lora_adapters_requests_go_to_its_engines_and_hit_its_blocks(fleet):
+    """e1 serves the adapter "sql": a request naming it goes to e1 only, its keys mix in the adapter
+    as vLLM's do, and the base model's blocks are no hit for it (nor its blocks for the base)."""
+    upstreams, engines = fleet
+    settings = gateway_settings({}, MODEL, kvs_backend=KVSBackendName.KV_EVENTS, kvs_chunk_size=BLOCK,
+                                dispatch_policy="cache_aware", cache_aware_scheduling_min_tokens=BLOCK,
+                                kv_events_topic="kv-events",
+                                instances=instances(upstreams, engines, e1={"lora_adapters": {"sql": "/lora/sql"}}))
+    sql = BlockExtras(lora=("sql", "/lora/sql"))
+    gateway = await start_gateway(settings, tokenizer=tokenizer())
+    try:
+        for engine in engines:
+            await engine.wait_subscribed()
+        await engines[0].publish([engines[0].store_prompt(PROMPT)])  # the base model's blocks
+        await engines[1].publish([engines[1].store_prompt(SAME_PREFIX[: 3 * BLOCK], extras=sql)])
+        adapter_body = {"model": "sql", "prompt": PROMPT, "max_tokens": 2}
+        plan = await plan_once(gateway.url, adapter_body, lambda scores: scores["e1"]["prefix_hit_tokens"] == 3 * BLOCK)
+        assert [entry["id"] for entry in plan["instances"]] == ["e1"] and plan["selected"] == "e1"
+        base = await plan_once(gateway.url, {**adapter_body, "model": MODEL},
+                               lambda scores: scores["e0"]["prefix_hit_tokens"] == len(PROMPT) // BLOCK * BLOCK)
+        assert by_id(base)["e1"]["prefix_hit_tokens"] == 0
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway.url + "/v1/completions", json=adapter_body) as response:
+                assert response.status == 200, await response.text()
+            async with session.get(gateway.url + "/v1/models") as response:
+                assert {model["id"] for model in (await response.json())["data"]} == {MODEL, "sql"}
+        assert upstreams[1].seen[-1].body["model"] == "sql" and not upstreams[0].seen
+        await assert_nothing_in_flight(gateway)
+    finally:
+        await gateway.close()
+
+
+def test_one_adapter_name_has_one_path_across_the_fleet():
+    configs = [InstanceConfig(id=f"e{i}", url=f"http://127.0.0.1:{9000 + i}", model=MODEL,
+                              lora_adapters={"sql": f"/lora/sql-v{i}"}) for i in range(2)]
+    with pytest.raises(ValueError, match="loaded from '/lora/sql-v0' and from '/lora/sql-v1'"):
+        gateway_settings({}, MODEL, instances=configs)
+    with pytest.raises(ValueError, match="also a base model"):
+        gateway_settings({}, MODEL, instances=[configs[0].model_copy(update={"lora_adapters": {MODEL: "/x"}})])

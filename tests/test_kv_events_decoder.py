@@ -59,12 +59,15 @@ def test_both_encodings_decode_to_the_same_events(encoding, as_bytes):
 
 
 def test_a_batch_as_a_map_and_blocks_keyed_beyond_their_tokens():
+    """LoRA names and cache salts (strings) are keys kvgate hashes too; images and prompt embeddings not."""
     payload = msgpack.packb({"ts": 1.0, "events": [
-        stored([7], None, list(range(16)), 16, extra_keys=[["salt"]]),
+        stored([7], None, list(range(16)), 16, extra_keys=[[["image-sha", 0]]]),
         stored([8], None, list(range(16)), 16, extra_keys=[None]),
+        stored([9], None, list(range(32)), 16, lora_name="sql", extra_keys=[["sql", "salt"], ["sql"]]),
+        stored([10], None, list(range(16)), 16, extra_keys=[[b"embeds-digest"]]),
     ], "data_parallel_rank": 0})
     batch = DECODER.decode(payload)
-    assert [event.keyed_beyond_tokens for event in batch.events] == [True, False]
+    assert [event.keyed_beyond_tokens for event in batch.events] == [True, False, False, True]
 
 
 @pytest.mark.parametrize("payload, reason", [

@@ -260,9 +260,9 @@ async def test_garbage_is_counted_and_dropped_and_the_feed_goes_on(fleet, engine
     await engine._pub.send_multipart([b"kv-events", b"short"])  # a sequence that is not 8 bytes
     await engine._pub.send_multipart([b"kv-events"])
     await engine.publish([], payload=batch_payload([{"type": "BlockStored", "block_hashes": "nope"}]))
-    # Events the index has no use for: another block size, a LoRA adapter's, another KV cache group's.
+    # Events the index has no use for: another block size, an image's, another KV cache group's.
     await engine.publish([stored([1], None, [0] * 32, 32),
-                          stored([2], None, list(range(BLOCK)), BLOCK, lora_name="adapter"),
+                          stored([2], None, list(range(BLOCK)), BLOCK, extra_keys=[[["image-sha", 0]]]),
                           stored([3], None, list(range(BLOCK)), BLOCK, group_idx=1),
                           {"type": "SomethingNew"}])
     await engine.publish([engine.store_prompt(OTHER)])

@@ -17,6 +17,7 @@ from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, KVSBackendName, Settings
+from kvgate.gateway.tracing import check_tracing
 from kvgate.scheduler.prefix import names_in_store
 from kvgate.scheduler.registry import check_settings
 
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(cli_values, config_path=args.config)
         check_settings(settings)
         check_pd_serving(settings.instances, settings.pd_protocol)
+        check_tracing(settings)
     except (ConfigError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2

@@ -29,7 +29,8 @@ from kvgate.engines.install import EngineVenv
 from kvgate.processes import LOOPBACK, LocalProcess, free_port
 
 EngineRole = Literal["neutral", "prefill", "decode"]
-START_TIMEOUT_S = 240.0
+# About 70-95 s on an idle core (most of it torch.compile's warm-up); a busy machine can triple it.
+START_TIMEOUT_S = 600.0
 # The engine's own prefix-cache counters (prompt tokens found cached / looked up), from /metrics.
 PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
@@ -55,6 +56,11 @@ class VLLMEngineSpec:
     nixl_side_channel_port: int = field(default_factory=free_port)
     # vLLM's development routes, among them POST /reset_prefix_cache (the demo empties caches between runs).
     dev_mode: bool = False
+    # LoRA adapters served beside the model, name -> directory (vLLM --enable-lora --lora-modules).
+    lora_adapters: dict[str, Path] = field(default_factory=dict)
+    # Where the engine exports its request spans (OTLP over HTTP, e.g. http://127.0.0.1:4318/v1/traces):
+    # a request kvgate forwards carries kvgate's traceparent, so the engine's span joins its trace.
+    otlp_traces_endpoint: str = ""
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -93,6 +99,10 @@ class VLLMEngineSpec:
                 "topic": "kv-events",
             }
             argv += ["--kv-events-config", json.dumps(events)]
+        if self.lora_adapters:
+            argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in self.lora_adapters.items())]
+        if self.otlp_traces_endpoint:
+            argv += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         if self.role != "neutral":
             transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             argv += ["--kv-transfer-config", json.dumps(transfer)]
@@ -110,6 +120,8 @@ class VLLMEngineSpec:
         )
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.otlp_traces_endpoint:  # vLLM exports over gRPC unless told otherwise
+            env.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_SERVICE_NAME="vllm")
         if self.role != "neutral":
             env.update(
                 VLLM_NIXL_SIDE_CHANNEL_HOST=LOOPBACK,

@@ -14,11 +14,10 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvgate.config.instance_rules import check_url_in_networks, parse_networks
-from kvgate.config.pd import check_bootstrap_fields, check_pd_serving
 from kvgate.config.settings import InstanceConfig
 from kvgate.gateway.auth import header_bytes
 from kvgate.gateway.errors import APIError, Handler
+from kvgate.gateway.fleet import InstanceRefused, add_instance, remove_instance
 from kvgate.gateway.protocol import json_response
 from kvgate.gateway.registry import InstanceState, RegistryError, RegistryFull
 from kvgate.gateway.state import GATEWAY, Gateway
@@ -78,23 +77,13 @@ async def _add(request: web.Request) -> web.Response:
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise APIError(400, f"invalid instance '{where}': {first['msg']}", param=where) from None
     try:
-        check_url_in_networks(config.url, parse_networks(gateway.settings.instance_networks))
-    except ValueError as exc:
-        raise APIError(400, f"invalid instance 'url': {exc}", param="url", code="instance_network_refused") from None
-    # The start-up rules an instance can break on its own; a fleet is completed one add at a time,
-    # so a prefill instance may come before its decode instances.
-    try:
-        check_pd_serving([config], gateway.settings.pd_protocol)
-        check_bootstrap_fields(config)
-    except ValueError as exc:
-        raise APIError(400, f"invalid instance 'role': {exc}", param="role") from None
-    try:
-        state = gateway.registry.add(config)
+        state = add_instance(gateway, config)
+    except InstanceRefused as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
     except RegistryFull as exc:
         raise APIError(409, str(exc), code="instance_table_full") from None
     except RegistryError as exc:
         raise APIError(409, str(exc), code="instance_exists") from None
-    gateway.metrics.instance_healthy.labels(state.id).set(1)
     return json_response(_describe(gateway, state), status=201)
 
 
@@ -106,9 +95,7 @@ async def _drain(request: web.Request) -> web.Response:
 
 async def _remove(request: web.Request) -> web.Response:
     gateway = require_admin(request)
-    state = _known(gateway.registry.remove, request)
-    # Requests already sent finish normally; their account entries still release.
-    gateway.metrics.instance_healthy.remove(state.id)
+    state = _known(lambda instance_id: remove_instance(gateway, instance_id), request)
     return json_response(_describe(gateway, state))
 
 

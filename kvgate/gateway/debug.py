@@ -22,7 +22,7 @@ from kvgate.gateway.protocol import json_response, parse_chat, parse_completion
 from kvgate.gateway.routing import RoutePlan
 from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client.events.view import EventsView
-from kvgate.scheduler.ttft import TTFTPrediction
+from kvgate.scheduler.types import TTFTPrediction
 
 
 def add_routes(app: web.Application, max_concurrent: int,

@@ -25,7 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -33,11 +33,8 @@ from aiohttp import web
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth import engine_authorization, engine_refusal_is_the_gateways
 from kvgate.gateway.errors import APIError
+from kvgate.gateway.feedback import DispatchFeedback
 from kvgate.gateway.handoff import make_handoff
-from kvgate.gateway.hit_accounting import HitAccounting
-from kvgate.gateway.inflight import InflightTracker
-from kvgate.gateway.log_throttle import LogThrottle
-from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.pd_forward import PDForwarder
 from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
@@ -53,12 +50,14 @@ from kvgate.gateway.relay import (
 )
 from kvgate.gateway.request_notes import ANSWERED_BY
 from kvgate.gateway.routing import RoutePlan
-from kvgate.gateway.ttft_feedback import TTFTFeedback
+from kvgate.gateway.tracing.names import FORWARD
 from kvgate.gateway.upstream import UpstreamPool, UpstreamResponse
 from kvgate.gateway.usage import UsageTap, stream_options_asking_usage
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
-from kvgate.scheduler.selector import ScoreTable
+
+if TYPE_CHECKING:
+    from kvgate.gateway.tracing.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +70,21 @@ class Forwarder:
         upstream: UpstreamPool,
         settings: Settings,
         registry: InstanceRegistry,
-        tracker: InflightTracker,
         metrics: GatewayMetrics,
-        outliers: OutlierDetector,
-        hits: HitAccounting | None = None,
-        ttft_feedback: TTFTFeedback | None = None,
+        feedback: DispatchFeedback,
         decode_ledger: DecodeLedger | None = None,
         prfaas: PrfaasLink | None = None,
     ) -> None:
-        self._ttft_feedback = ttft_feedback
+        self._feedback = feedback
         self._upstream = upstream
-        self._hits = hits
         self._registry = registry
-        self._tracker = tracker
+        self._tracker = feedback.tracker
         self._metrics = metrics
-        self._outliers = outliers
+        self._outliers = feedback.outliers
         self._max_attempts = 1 + settings.forward_retries
         self._first_byte_timeout_s = settings.upstream_first_byte_timeout_s
         self._whole_answer_timeout_s = settings.upstream_whole_answer_timeout_s
         self._max_event_bytes = settings.max_sse_event_bytes
-        self._refusals = LogThrottle(log)
         self._forward_token_ids = settings.forward_token_ids
         # The only client header an engine may need (its own API key); see gateway/auth.py.
         self._authorization = engine_authorization(settings)
@@ -99,23 +93,24 @@ class Forwarder:
         self._sequence = itertools.count()
         # Only a gateway with a pd_protocol plans disaggregated requests (gateway/routing.py).
         self._pd = PDForwarder(
-            upstream, make_handoff(settings.pd_protocol), registry, tracker,
-            decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, outliers, self._max_attempts,
-            self.relay_from, self._observe_hit_ratio, self._record_prefill_hit, self._ttft_dispatched,
-            self.failed_status, prfaas,
+            upstream, make_handoff(settings.pd_protocol), registry, feedback.tracker,
+            decode_ledger if decode_ledger is not None else DecodeLedger(), metrics, feedback.outliers,
+            self._max_attempts, self.relay_from, feedback.observe_hit_ratio, feedback.record_prefill_hit,
+            feedback.ttft_dispatched, self.failed_status, prfaas,
         ) if settings.pd_protocol is not None else None
 
     async def forward(
-        self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float
+        self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, request_id: str, arrived: float,
+        trace: RequestTrace | None = None,
     ) -> web.StreamResponse:
         headers = _upstream_headers(request_id, self._authorization(request))
         if plan.pd is not None and self._pd is not None:
             response = await self._pd.forward(request, parsed, plan, self._pd_body(parsed, plan), headers,
-                                              request_id, arrived)
+                                              request_id, arrived, trace)
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             return response
         path = "/v1/chat/completions" if parsed.chat else "/v1/completions"
-        compared = self._hits is not None and _comparable(parsed, plan)
+        compared = self._feedback.compares(parsed, plan)
         payload, usage_asked = self._payload(parsed, plan, compared)
         first_byte_timeout_s = self._first_byte_timeout_s if parsed.stream else self._whole_answer_timeout_s
 
@@ -137,14 +132,21 @@ class Forwarder:
             # Each prompt of a batch is prefilled: the first one's miss stands for each (routing.py).
             prompts = len(parsed.batch) if parsed.batch is not None else 1
             self._tracker.dispatch(key, instance_id, plan.miss_tokens(instance_id) * prompts)
-            on_first_byte = self._ttft_dispatched(plan, instance_id, parsed.max_tokens)
+            on_first_byte = self._feedback.ttft_dispatched(plan, instance_id, parsed.max_tokens)
             if attempts == 1:
-                self._observe_hit_ratio(plan, instance_id)
+                self._feedback.observe_hit_ratio(plan, instance_id)
             tap = UsageTap(strip_usage_chunk=usage_asked) if compared else None
             request[ANSWERED_BY] = instance_id
             try:
-                response = await self._attempt(request, key, state.config.url, path, payload, headers, request_id,
-                                               arrived, tap, first_byte_timeout_s, on_first_byte)
+                if trace is None:
+                    response = await self._attempt(request, key, state.config.url, path, payload, headers,
+                                                   request_id, arrived, tap, first_byte_timeout_s, on_first_byte)
+                else:
+                    with trace.attempt(FORWARD, instance_id, state.config.url, attempts) as span:
+                        response = await self._attempt(request, key, state.config.url, path, payload,
+                                                       headers + span.header_lines(), request_id, arrived, tap,
+                                                       first_byte_timeout_s, span.on_first_byte(on_first_byte))
+                        span.answered(response.status, request.get(STREAM_BROKEN))
             except RetryableFailure as failure:
                 failures.append(f"{instance_id}: {failure}")
                 self._outliers.failure(instance_id, str(failure))
@@ -159,7 +161,7 @@ class Forwarder:
                 self._outliers.failure(instance_id, f"stream broken: {broken}")
             self._metrics.e2e_seconds.observe(time.perf_counter() - arrived)
             if tap is not None:
-                self._record_hit(parsed, plan, instance_id, tap, request_id)
+                self._feedback.record_hit(plan, instance_id, tap, request_id)
             return response
         if not failures:
             raise APIError(503, f"no healthy instance serves '{parsed.model}'", code="no_healthy_instance")
@@ -187,32 +189,6 @@ class Forwarder:
         if self._forward_token_ids and parsed.prompt_text is not None and parsed.batch is None:
             return {**parsed.body, "prompt": plan.prompt_ids}
         return parsed.body
-
-    def _record_prefill_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, answer: bytes,
-                            request_id: str) -> None:
-        """A disaggregated request: the prefill instance's JSON answer reports what it found cached."""
-        if self._hits is None or not _comparable(parsed, plan):
-            return
-        tap = UsageTap(strip_usage_chunk=False)
-        tap.whole(answer)
-        self._record_hit(parsed, plan, instance_id, tap, request_id)
-
-    def _record_hit(self, parsed: ParsedRequest, plan: RoutePlan, instance_id: str, tap: UsageTap,
-                    request_id: str) -> None:
-        assert self._hits is not None
-        if tap.usage is None and not tap.answered:  # a relayed 4xx, a stream cut short: no word
-            return
-        if tap.usage is not None and tap.usage.refused:
-            self._refused_usage(instance_id, tap.usage.refused, request_id)
-        score = plan.score(instance_id)
-        predicted = score.prefix_hit_tokens if score is not None else 0
-        self._hits.record(instance_id, predicted, _longest_prefix_hit(plan), tap.usage, request_id)
-
-    def _refused_usage(self, instance_id: str, fields: tuple[str, ...], request_id: str) -> None:
-        for name in fields:
-            self._metrics.engine_values_refused.labels(name).inc()
-        self._refusals.warning("instance %s reported impossible usage numbers (%s), refused or clamped; "
-                               "request %s", instance_id, ", ".join(fields), request_id)
 
     async def relay_from(
         self,
@@ -253,7 +229,7 @@ class Forwarder:
             if self.failed_status(upstream.status, url):
                 raise RetryableFailure(f"HTTP {upstream.status}: {await _excerpt(upstream)}")
             return await relay_answer(request, upstream, request_id,
-                                      lambda: self._first_byte(key, arrived, on_first_byte), tap,
+                                      lambda: self._feedback.first_byte(key, arrived, on_first_byte), tap,
                                       self._max_event_bytes)
         except UPSTREAM_ERRORS as exc:
             raise RetryableFailure(describe(exc)) from None
@@ -261,41 +237,6 @@ class Forwarder:
             # Back to the pool only if the answer was read to its end; otherwise the connection is
             # closed, which also tells the engine to abort (client hang-up, failures).
             upstream.release()
-
-    def _first_byte(self, key: str, arrived: float, on_first_byte: Callable[[], None] | None) -> None:
-        self._tracker.first_token(key)
-        if on_first_byte is not None:
-            on_first_byte()
-        self._metrics.ttft_seconds.observe(time.perf_counter() - arrived)
-
-    def _ttft_dispatched(self, plan: RoutePlan, instance_id: str, max_tokens: int | None) -> Callable[[], None]:
-        """Tell the TTFT model an attempt left for `instance_id`; returns what to call when the
-        instance's prefill is done (its first byte), which calibrates the model."""
-        if self._ttft_feedback is None:
-            return lambda: None
-        return self._ttft_feedback.dispatched(plan, instance_id, max_tokens)
-
-    def _observe_hit_ratio(self, plan: RoutePlan, instance_id: str) -> None:
-        score = plan.score(instance_id)
-        if score is not None and plan.num_prompt_tokens:
-            self._metrics.prefix_hit_ratio.observe(score.prefix_hit_tokens / plan.num_prompt_tokens)
-
-
-def _longest_prefix_hit(plan: RoutePlan) -> int:
-    """The longest prefix the store held on any candidate."""
-    scores = plan.decision.scores
-    if isinstance(scores, ScoreTable):
-        return scores.longest_prefix_hit()  # without building every candidate's score
-    return max((score.prefix_hit_tokens for score in scores), default=0)
-
-
-def _comparable(parsed: ParsedRequest, plan: RoutePlan) -> bool:
-    """Whether the answer's usage can check the prediction: the store answered (or, with no store,
-    the engines' KV events did), and the usage is of that one prompt (a batch or n > 1 reports its
-    prompts' or samples' sums). Other requests are relayed untouched and unread."""
-    evidence = plan.kvs_status == "ok" or (plan.kvs_status == "skipped" and plan.engine_hits is not None)
-    return evidence and parsed.batch is None and parsed.body.get("n") in (1, None)
-
 
 async def _excerpt(upstream: UpstreamResponse, limit: int = 300) -> str:
     text = b""

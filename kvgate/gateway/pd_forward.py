@@ -22,7 +22,7 @@ import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from aiohttp import web
@@ -34,14 +34,27 @@ from kvgate.gateway.outliers import OutlierDetector
 from kvgate.gateway.prfaas import PrfaasLink
 from kvgate.gateway.protocol import ParsedRequest
 from kvgate.gateway.registry import InstanceRegistry, InstanceState
-from kvgate.gateway.relay import REQUEST_ID_HEADER, UPSTREAM_ERRORS, RetryableFailure, describe, unavailable
+from kvgate.gateway.relay import (
+    REQUEST_ID_HEADER,
+    STREAM_BROKEN,
+    UPSTREAM_ERRORS,
+    RetryableFailure,
+    describe,
+    unavailable,
+)
 from kvgate.gateway.request_notes import ANSWERED_BY, PREFILLED_BY
 from kvgate.gateway.routing import RoutePlan
+from kvgate.gateway.tracing.names import DECODE, PREFILL
 from kvgate.gateway.upstream import UpstreamPool
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.decode import DecodeLedger
 
+if TYPE_CHECKING:
+    from kvgate.gateway.tracing.spans import RequestTrace
+
 Side = Literal["prefill", "decode", "both"]
+# A traced try: the request's trace and the try's number (1 for the first).
+Traced = tuple["RequestTrace", int]
 # OpenAI's default max_tokens, counted for a request that names none.
 DEFAULT_MAX_TOKENS = 16
 RelayFrom = Callable[..., Awaitable[web.StreamResponse]]
@@ -104,7 +117,7 @@ class PDForwarder:
 
     async def forward(
         self, request: web.Request, parsed: ParsedRequest, plan: RoutePlan, body: dict[str, Any],
-        headers: str, request_id: str, arrived: float,
+        headers: str, request_id: str, arrived: float, trace: RequestTrace | None = None,
     ) -> web.StreamResponse:
         pd = plan.pd
         assert pd is not None
@@ -138,12 +151,13 @@ class PDForwarder:
             self._tracker.dispatch(decode_key, decode.id, decode_tokens)
             self._ledger.add(decode_key, decode.id, max_tokens)
             try:
+                traced = (trace, attempt + 1) if trace is not None else None
                 if prefill is None:
                     payload = orjson.dumps(self._handoff.local_body(body))
                     return await self._decode_only(request, decode_key, decode, path, payload, headers,
-                                                   request_id, arrived)
+                                                   request_id, arrived, traced=traced)
                 return await self._pair(request, key, parsed, plan, prefill, decode, path, body, headers,
-                                        request_id, arrived)
+                                        request_id, arrived, traced)
             except PairFailure as failure:
                 last_failed = prefill.id if failure.side == "prefill" and prefill else decode.id
                 failures.append(f"{last_failed}: {failure}")
@@ -164,16 +178,34 @@ class PDForwarder:
 
     async def _decode_only(self, request: web.Request, key: str, decode: InstanceState, path: str,
                            payload: bytes, headers: str, request_id: str, arrived: float,
-                           on_first_byte: Callable[[], None] | None = None) -> web.StreamResponse:
+                           on_first_byte: Callable[[], None] | None = None,
+                           traced: Traced | None = None) -> web.StreamResponse:
         try:
-            return await self._relay_decode(request, key, decode.config.url, path, payload, headers, request_id,
-                                            arrived, on_first_byte=on_first_byte)
+            return await self._relay(request, key, decode, path, payload, headers, request_id, arrived,
+                                     on_first_byte, traced)
         except RetryableFailure as failure:
             raise PairFailure("decode", str(failure)) from None
+
+    async def _relay(self, request: web.Request, key: str, decode: InstanceState, path: str, payload: bytes,
+                     headers: str, request_id: str, arrived: float, on_first_byte: Callable[[], None] | None,
+                     traced: Traced | None) -> web.StreamResponse:
+        """The decode instance's answer relayed to the client; traced, under a `kvgate.decode` span
+        whose traceparent the decode instance receives."""
+        url = decode.config.url
+        if traced is None:
+            return await self._relay_decode(request, key, url, path, payload, headers, request_id, arrived,
+                                            on_first_byte=on_first_byte)
+        trace, attempt = traced
+        with trace.attempt(DECODE, decode.id, url, attempt) as span:
+            response = await self._relay_decode(request, key, url, path, payload, headers + span.header_lines(),
+                                                request_id, arrived, on_first_byte=span.on_first_byte(on_first_byte))
+            span.answered(response.status, request.get(STREAM_BROKEN))
+            return response
 
     async def _pair(
         self, request: web.Request, key: str, parsed: ParsedRequest, plan: RoutePlan, prefill: InstanceState,
         decode: InstanceState, path: str, body: dict[str, Any], headers: str, request_id: str, arrived: float,
+        traced: Traced | None,
     ) -> web.StreamResponse:
         try:
             exchange = await self._handoff.attempt(body, prefill.config, request_id)
@@ -183,7 +215,7 @@ class PDForwarder:
         self._tracker.dispatch(prefill_key, prefill.id, plan.miss_tokens(prefill.id))
         prefill_task = asyncio.create_task(
             self._prefill(prefill_key, prefill, path, orjson.dumps(exchange.prefill_body), headers,
-                          self._ttft_dispatched(plan, prefill.id, parsed.max_tokens)))
+                          self._ttft_dispatched(plan, prefill.id, parsed.max_tokens), traced))
         decode_key = key + "/decode"
         cluster, prfaas = plan.pd.cluster if plan.pd is not None else None, self._prfaas
 
@@ -203,10 +235,10 @@ class PDForwarder:
                     self._metrics.engine_values_refused.labels("kv_transfer_params").inc()
                     raise PairFailure("prefill", f"unusable prefill answer: {exc}") from None
                 return await self._decode_only(request, decode_key, decode, path, orjson.dumps(decode_body),
-                                               headers, request_id, arrived, kv_arrived)
+                                               headers, request_id, arrived, kv_arrived, traced)
             response = await self._concurrent(request, prefill_task, decode_key, decode, path,
                                               orjson.dumps(exchange.decode_body(None)), headers, request_id, arrived,
-                                              kv_arrived)
+                                              kv_arrived, traced)
             answer = _prefill_answer(prefill_task)
             if answer is not None and answer.status == 200 and answer.content_type.startswith("application/json"):
                 self._record_prefill_hit(parsed, plan, prefill.id, answer.body, request_id)
@@ -219,7 +251,7 @@ class PDForwarder:
     async def _concurrent(
         self, request: web.Request, prefill_task: asyncio.Task[_PrefillAnswer], decode_key: str,
         decode: InstanceState, path: str, payload: bytes, headers: str, request_id: str, arrived: float,
-        on_first_byte: Callable[[], None],
+        on_first_byte: Callable[[], None], traced: Traced | None,
     ) -> web.StreamResponse:
         """Both sent at once: a prefill failure before the decode's first byte fails the pair (the
         decode would wait for KV that never comes); after it, the decode's answer stands."""
@@ -230,8 +262,7 @@ class PDForwarder:
             on_first_byte()
 
         decode_task = asyncio.create_task(
-            self._relay_decode(request, decode_key, decode.config.url, path, payload, headers, request_id,
-                               arrived, on_first_byte=first_byte))
+            self._relay(request, decode_key, decode, path, payload, headers, request_id, arrived, first_byte, traced))
         try:
             await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
             if not decode_task.done() and not started.is_set():
@@ -249,8 +280,21 @@ class PDForwarder:
             decode_task.cancel()
             await asyncio.gather(decode_task, return_exceptions=True)
 
-    async def _prefill(self, key: str, prefill: InstanceState, path: str, payload: bytes,
-                       headers: str, prefill_done: Callable[[], None]) -> _PrefillAnswer:
+    async def _prefill(self, key: str, prefill: InstanceState, path: str, payload: bytes, headers: str,
+                       prefill_done: Callable[[], None], traced: Traced | None) -> _PrefillAnswer:
+        """The prefill instance's whole answer; traced, under a `kvgate.prefill` span whose traceparent
+        the prefill instance receives (its first-byte event: the answer is in, the prefill done)."""
+        if traced is None:
+            return await self._prefill_answer(key, prefill, path, payload, headers, prefill_done)
+        trace, attempt = traced
+        with trace.attempt(PREFILL, prefill.id, prefill.config.url, attempt) as span:
+            answer = await self._prefill_answer(key, prefill, path, payload, headers + span.header_lines(),
+                                                span.on_first_byte(prefill_done))
+            span.answered(answer.status)
+            return answer
+
+    async def _prefill_answer(self, key: str, prefill: InstanceState, path: str, payload: bytes,
+                              headers: str, prefill_done: Callable[[], None]) -> _PrefillAnswer:
         """The prefill instance's whole answer; its part is done (account released) once read."""
         try:
             upstream = await self._upstream.post(prefill.config.url, path, headers, payload)

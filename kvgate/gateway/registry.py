@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvgate.config.instance_rules import redact_url
 from kvgate.config.settings import InstanceConfig
@@ -56,6 +57,12 @@ class InstanceState:
         }
 
 
+class LoraAdapter(NamedTuple):
+    name: str
+    path: str  # where the engines loaded it from: part of its block keys
+    base_model: str
+
+
 class RegistryError(ValueError):
     """An admin change that cannot apply (unknown or duplicated id)."""
 
@@ -74,7 +81,9 @@ class InstanceRegistry:
     ) -> None:
         self._states: dict[str, InstanceState] = {cfg.id: InstanceState(cfg) for cfg in instances}
         self._on_change = on_change
-        self._served = frozenset(state.config.model for state in self._states.values())  # asked per request
+        self._served: frozenset[str] = frozenset()  # models and adapters, asked per request
+        self._adapters: dict[str, LoraAdapter] = {}
+        self._index_models()
         # Called when an instance goes from healthy to ejected (the gateway fails over its waiting requests).
         self.on_eject: Callable[[InstanceState], None] | None = None
 
@@ -93,12 +102,17 @@ class InstanceRegistry:
     def serves(self, model: str) -> bool:
         return model in self._served
 
+    def lora_adapter(self, model: str) -> LoraAdapter | None:
+        """The adapter a request's `model` names (None: a base model, or nothing served)."""
+        return self._adapters.get(model)
+
     def routable(self, model: str) -> list[InstanceState]:
-        return [s for s in self._states.values() if s.config.model == model and s.routable]
+        """The instances that can serve `model`, a base model or one of their LoRA adapters."""
+        return [s for s in self._states.values() if s.config.serves(model) and s.routable]
 
     def panicking(self, model: str) -> bool:
         """True while ejected instances of `model` are routed to because no instance of their role is healthy."""
-        return any(s.panic for s in self._states.values() if s.config.model == model)
+        return any(s.panic for s in self._states.values() if s.config.serves(model))
 
     def add(self, config: InstanceConfig) -> InstanceState:
         if config.id in self._states:
@@ -164,7 +178,13 @@ class InstanceRegistry:
             raise RegistryError(f"no instance {instance_id!r}")
         return state
 
+    def _index_models(self) -> None:
+        configs = [state.config for state in self._states.values()]
+        self._adapters = {name: LoraAdapter(name, path, config.model)
+                          for config in configs for name, path in config.lora_adapters.items()}
+        self._served = frozenset(config.model for config in configs) | frozenset(self._adapters)
+
     def _changed(self) -> None:
-        self._served = frozenset(state.config.model for state in self._states.values())
+        self._index_models()
         if self._on_change is not None:
             self._on_change(self.configs())

@@ -100,7 +100,7 @@ async def relay_stream(
         else:
             searched = max(0, len(pending) - 3)  # a separator may straddle the old end and the new bytes
             pending += chunk
-            cut = _events_end(pending, searched)
+            cut = events_end(pending, searched)
             complete = bytes(pending[:cut])
             del pending[:cut]
         if complete:
@@ -135,7 +135,7 @@ async def _broken(request: web.Request, response: web.StreamResponse, message: s
     return response
 
 
-def _events_end(buffer: bytearray, start: int = 0) -> int:
+def events_end(buffer: bytearray, start: int = 0) -> int:
     """Index just past the last complete SSE event in `buffer` (0 if none is complete); separators
     are looked for from `start` on."""
     lf, crlf = buffer.rfind(b"\n\n", start), buffer.rfind(b"\r\n\r\n", start)

@@ -31,11 +31,10 @@ from kvgate.kvs_client.events.view import EventsView
 from kvgate.metrics.definitions import GatewayMetrics, KVEventsLookupMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger, PDDecision
-from kvgate.scheduler.hashing import BlockHash
+from kvgate.scheduler.hashing import BlockExtras, BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.tiers import EngineHits
-from kvgate.scheduler.ttft import TTFTPrediction
-from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, InstanceScore, TTFTPrediction
 
 # Hashing more tokens than this moves to the executor (sha256 over ~100K tokens takes milliseconds).
 _INLINE_HASH_TOKENS = 16384
@@ -60,6 +59,9 @@ class RoutePlan:
     engine_hits: EngineHits | None = None
     # The debug route's: each instance's prefix in its own store segment, the store's view alone.
     store_hits: Mapping[str, int] | None = None
+    # time.perf_counter() when planning started, and when tokenizing, the lookup (with any further
+    # tokenizing it asked for) and the decision ended: the stages' spans (gateway/tracing/).
+    stages: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def score(self, instance_id: str) -> InstanceScore | None:
         # Scores are in ranking order and may be built when read: fetch only the one asked for.
@@ -141,7 +143,7 @@ class RoutePlanner:
         self._scheduler = scheduler
         self._kvs = kvs
         self._events = events
-        self._salted = events_metrics.unmatched.labels("cache_salt") if events_metrics is not None else None
+        self._unmatched = events_metrics.unmatched if events_metrics is not None else None
         self._max_query_blocks = kvs.max_query_blocks if kvs is not None else max_query_blocks
         self._tokenizer = tokenizer
         self._registry = registry
@@ -156,17 +158,23 @@ class RoutePlanner:
         if not self._registry.serves(request.model):
             raise APIError(404, f"the model '{request.model}' does not exist; see GET /v1/models",
                            param="model", code="model_not_found")
-        started = time.perf_counter()
+        planning = time.perf_counter()
         try:
             encoding = await self._encoding(request)
         except BaseException:
-            self._stage["tokenize"].observe(time.perf_counter() - started)
+            self._stage["tokenize"].observe(time.perf_counter() - planning)
             raise
-        tokenize_s = time.perf_counter() - started  # observed with any extension's time below
-
         started = time.perf_counter()
-        wants_kvs = self._scheduler.wants_kvs(encoding.total_tokens)
-        found = await self._look_up(request, encoding, wants_kvs, explain)
+        tokenize_s = started - planning  # observed with any extension's time below
+
+        extras = self._extras(request)
+        # Keys the engines mix an adapter or a salt into cannot be matched by an algorithm without that slot.
+        matchable = not extras or self._scheduler.extras_hashable
+        if not matchable and self._unmatched is not None:
+            self._unmatched.labels("lora" if extras.lora else "cache_salt").inc()
+        wants_kvs = matchable and self._scheduler.wants_kvs(encoding.total_tokens)
+        found = await self._look_up(request, encoding, wants_kvs, explain and matchable, extras)
+        looked_up = time.perf_counter()
         self._stage["tokenize"].observe(tokenize_s + found.extending_s)
         lookup = found.lookup
         locations: Sequence[Sequence[str]] | None = None
@@ -198,17 +206,19 @@ class RoutePlanner:
                 raise APIError(503, f"no healthy instance serves '{request.model}'", code="no_healthy_instance")
             decision = self._scheduler.decide(num_prompt_tokens, blocks, locations, candidates,
                                               disk_locations=disk_locations, engine=found.engine, dry_run=explain)
-        schedule_s = time.perf_counter() - started - kvs_elapsed - found.extending_s
+        decided = time.perf_counter()
+        schedule_s = decided - started - kvs_elapsed - found.extending_s
         self._stage["schedule"].observe(max(schedule_s, 0.0))
         if not encoding.complete and not explain:  # the debug route only looks
             self._window.metrics.estimated_prompts.inc()
             self._window.complete_later(self._tokenizer, encoding)
         store_hits = self._scheduler.store_hits(num_prompt_tokens, blocks, locations) if explain else None
         return RoutePlan(encoding.ids, keys, kvs_status, kvs_elapsed, candidates, decision, pd,
-                         num_prompt_tokens, not encoding.complete, found.engine, store_hits)
+                         num_prompt_tokens, not encoding.complete, found.engine, store_hits,
+                         (planning, started, looked_up, decided))
 
     async def _look_up(self, request: ParsedRequest, encoding: PromptEncoding, wants_kvs: bool,
-                       explain: bool) -> _Found:
+                       explain: bool, extras: BlockExtras | None) -> _Found:
         """Hash the exact full blocks and ask the store (when it can change the decision; the
         debug route hashes always). While the store holds the last block asked of a partial
         prompt, tokenize a window twice the last one and ask again."""
@@ -218,14 +228,14 @@ class RoutePlanner:
             hashable = self._window.hashable_ids(encoding)
             if wants_kvs or explain:
                 # Hashed inline when short (no coroutine to build and await on the common path).
-                found.blocks = (self._scheduler.block_hashes(hashable) if len(hashable) <= _INLINE_HASH_TOKENS
-                                else await self._hash_in_executor(hashable))
+                found.blocks = (self._scheduler.block_hashes(hashable, extras) if len(hashable) <= _INLINE_HASH_TOKENS
+                                else await self._hash_in_executor(hashable, extras))
                 found.keys = self._scheduler.block_keys(found.blocks) if found.blocks else []
             if found.keys and wants_kvs and self._kvs is not None:
-                found.lookup = await self._kvs.lookup(found.keys, hashable, request.model)
+                found.lookup = await self._kvs.lookup(found.keys, hashable, self._base_model(request.model))
                 found.kvs_s += found.lookup.elapsed_s
             if self._events is not None and (wants_kvs or explain):
-                found.engine = self._engine_hits(request, found.blocks)
+                found.engine = self._events.hits(found.blocks[: self._max_query_blocks])
             if not (wants_kvs and (self._window.should_extend(encoding, found.keys, found.lookup,
                                                               self._max_query_blocks)
                                    or (not encoding.complete and len(found.keys) < self._max_query_blocks
@@ -238,15 +248,20 @@ class RoutePlanner:
             found.extending_s += time.perf_counter() - extending
             self._window.metrics.extensions.inc()
 
-    def _engine_hits(self, request: ParsedRequest, blocks: list[BlockHash]) -> EngineHits | None:
-        """The events index's answer for the prompt's first --kvs-max-query-blocks blocks."""
-        assert self._events is not None
-        if request.body.get("cache_salt"):
-            # The engine salts such a prompt's first block: kvgate's keys for it would never match.
-            if self._salted is not None:
-                self._salted.inc()
+    def _extras(self, request: ParsedRequest) -> BlockExtras | None:
+        """What the engine mixes into this request's block hashes beside its tokens: the LoRA adapter
+        its model names, its cache salt (vLLM's `cache_salt`; a non-string one the engine refuses)."""
+        adapter = self._registry.lora_adapter(request.model)
+        salt = request.body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        if adapter is None and salt is None:
             return None
-        return self._events.hits(blocks[: self._max_query_blocks])
+        return BlockExtras((adapter.name, adapter.path) if adapter is not None else None, salt)
+
+    def _base_model(self, model: str) -> str:
+        """The model whose engines serve `model`: itself, or the base of the LoRA adapter it names."""
+        adapter = self._registry.lora_adapter(model)
+        return adapter.base_model if adapter is not None else model
 
     async def _encoding(self, request: ParsedRequest) -> PromptEncoding:
         # A batched completion is routed on its first prompt, as one engine request. Splitting it
@@ -256,7 +271,7 @@ class RoutePlanner:
         # stream chunks, and own partial failures, that the engine already handles as one request.
         # The first prompt's prefix hit stands for the batch's; the account counts its miss once
         # per prompt (forwarder.py).
-        limit = self.prompt_limit.tokens(request.model)
+        limit = self.prompt_limit.tokens(self._base_model(request.model))
         param = "messages" if request.messages is not None else "prompt"
         if request.prompt_ids is not None:
             if len(request.prompt_ids) > limit:
@@ -276,6 +291,6 @@ class RoutePlanner:
         except PromptTooLong as exc:
             raise prompt_too_long(request.model, exc.tokens, limit, param) from None
 
-    async def _hash_in_executor(self, prompt_ids: Sequence[int]) -> list[BlockHash]:
+    async def _hash_in_executor(self, prompt_ids: Sequence[int], extras: BlockExtras | None) -> list[BlockHash]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._scheduler.block_hashes, prompt_ids)
+        return await loop.run_in_executor(self._executor, self._scheduler.block_hashes, prompt_ids, extras)

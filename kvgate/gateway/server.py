@@ -22,7 +22,7 @@ from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
 
 if TYPE_CHECKING:
-    from kvgate.workers.worker import WorkerShare
+    from kvgate.gateway.worker_share import WorkerShare
 
 log = logging.getLogger(__name__)
 

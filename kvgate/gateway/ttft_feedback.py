@@ -14,7 +14,7 @@ from collections.abc import Callable
 from kvgate.gateway.routing import RoutePlan
 from kvgate.metrics.definitions import TTFTMetrics
 from kvgate.scheduler.router import Scheduler
-from kvgate.scheduler.ttft import TTFTPrediction
+from kvgate.scheduler.types import TTFTPrediction
 
 
 class TTFTFeedback:
