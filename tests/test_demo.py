@@ -11,7 +11,7 @@ import pytest
 
 from kvgate.cli import main
 from kvgate.config.settings import Settings
-from kvgate.demo.fleet import FleetSpec, running_fleet
+from kvgate.demo.fleet import FleetSpec, KVEventsSpec, running_fleet
 from kvgate.demo.report import ROWS, format_table
 from kvgate.demo.runner import run_demo
 from kvgate.demo.workload import ConversationWorkload, conversation_requests
@@ -103,6 +103,8 @@ def test_demo_command_replays_a_trace(tmp_path, capsys):
         ["--time-scale", "0"],
         ["--cache-capacity-blocks", "0"],
         ["--trace", "/nonexistent/trace.jsonl"],
+        ["--kvs-backend", "kv_events", "--mooncake"],
+        ["--kvs-backend", "kv_events", "--prfaas"],
     ],
 )
 def test_demo_command_refuses_bad_arguments(argv, capsys):
@@ -165,3 +167,51 @@ async def test_demo_prfaas_compares_local_pd_with_a_remote_prefill_cluster(token
 def test_demo_prfaas_refuses_bad_arguments(capsys):
     assert main(["demo", "--prfaas", "--prfaas-engines", "0", "--no-progress"]) == 2
     assert "--prfaas-engines" in capsys.readouterr().err
+
+
+async def test_fleet_on_kv_events_alone_routes_a_repeat_to_the_engine_that_published_its_blocks(tokenizer):
+    """No store: the only way the gateway can know where the prompt is cached is the engines' events."""
+    prompt = [random.Random(5).randrange(1000, 32000) for _ in range(3000)]
+    spec = FleetSpec(2, MockEngineConfig(time_scale=0.05), kv_events=KVEventsSpec(), store=False)
+    async with (
+        running_fleet(spec, "cache_aware", tokenizer) as url,
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 1}
+        async with session.post(url + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+        for _ in range(200):  # the events arrive once the engine's step is over
+            async with session.post(url + "/debug/schedule", json=body) as response:
+                plan = await response.json()
+            held = {i["id"]: i["prefix_hit_tokens"] for i in plan["instances"]}
+            if max(held.values()) == 11 * 256:
+                break
+            await asyncio.sleep(0.05)
+        assert plan["kvs_status"] == "skipped" and plan["events_status"] == "ok", plan
+        assert sorted(held.values()) == [0, 11 * 256]
+        holder = max(held, key=held.__getitem__)
+        assert plan["selected"] == holder
+        assert {i["id"]: i["hit_source"] for i in plan["instances"]}[holder] == "events"
+        async with session.post(url + "/v1/completions", json=body) as response:
+            usage = (await response.json())["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 11 * 256
+
+
+def test_a_fleet_without_a_store_needs_kv_events():
+    with pytest.raises(ValueError, match="kv_events"):
+        FleetSpec(2, MockEngineConfig(), store=False)
+
+
+def test_demo_command_routes_on_kv_events_alone(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    records = [
+        {"timestamp": 100 * i, "input_length": 1536, "output_length": 4, "hash_ids": [0, 1, 2 + i % 2]}
+        for i in range(6)
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    code = main(["demo", "--kvs-backend", "kv_events", "--trace", str(trace), "--requests", "6", "--engines", "2",
+                 "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "KV store: none, the engines' KV events alone" in captured.err
+    assert "6 / 6" in captured.out

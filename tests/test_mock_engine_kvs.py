@@ -136,3 +136,52 @@ async def test_embedded_index_follows_the_cache():
     finally:
         await engine.close()
     assert len(index) == 0
+
+
+async def _cached_tokens(url: str, prompt: list[int]) -> int:
+    body = {"model": "kvgate/mock-llm", "prompt": prompt, "max_tokens": 1}
+    async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        return (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_a_store_segment_larger_than_the_cache_keeps_evicted_blocks_and_loads_them_back(tmp_path):
+    """HBM holds 24 blocks, the segment 64: the store index lists both prompts while the engine's
+    KV events say the first left HBM; a repeat of the first is loaded back, and its events say so."""
+    import zmq.asyncio
+
+    from kvgate.kvs_client.events.keys import engine_block_hashes
+    from kvgate.mock_engine.kv_events import KVEventsOptions
+    from tests.kv_events_client import replay
+
+    settings = Settings(kvs_backend="embedded")
+    index = EmbeddedKVSIndex()
+    events = KVEventsOptions(f"ipc://{tmp_path}/e.events", f"ipc://{tmp_path}/e.replay")
+    config = MockEngineConfig(time_scale=0.0, profile=SMALL_PROFILE, settings=settings, kv_events=events,
+                              store_segment_blocks=64)
+    publisher = await open_publisher(PublisherOptions("embedded", settings, local_ip="127.0.0.4"), index)
+    engine = await start_mock_engine(config, publisher=publisher)
+    first, second = _prompt(16, seed=1), _prompt(16, seed=2)
+    ctx = zmq.asyncio.Context()
+    try:
+        assert await _cached_tokens(engine.url, first) == 0
+        assert await _cached_tokens(engine.url, second) == 0
+        await engine.engine.publication.flushed()
+        keys = _gateway_keys(settings, first) + _gateway_keys(settings, second)
+        assert [index.holders(key) for key in keys] == [("127.0.0.4",)] * 32  # HBM could not hold both
+        assert engine.engine.core.stats().num_cached_blocks <= 24
+        assert await _cached_tokens(engine.url, first) == 16 * BLOCK  # loaded from the segment
+        batches, _ = await replay(ctx, events.replay_endpoint, 0)
+    finally:
+        ctx.term()
+        await engine.close()
+    hashes = engine_block_hashes(first, block_size=BLOCK, seed=settings.hash_seed)
+    stored = [h for b in batches for e in b.events() if e["type"] == "BlockStored" for h in e["block_hashes"]]
+    removed = {h for b in batches for e in b.events() if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
+    assert hashes[0] in removed  # the events told the first prompt left HBM...
+    assert all(stored.count(h) == 2 for h in hashes if h in removed)  # ...and came back, loaded
+
+
+def test_mock_engine_refuses_a_negative_store_segment():
+    with pytest.raises(ValueError, match="store_segment_blocks"):
+        MockEngineConfig(store_segment_blocks=-1)
