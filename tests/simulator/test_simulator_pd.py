@@ -9,7 +9,7 @@ from kvgate.config.settings import InstanceRole
 from kvgate.simulator.pd_replay import PDReplay
 from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.trace import read_trace
-from tests.test_simulator import prefix_heavy_rows, settings
+from tests.simulator.test_simulator import prefix_heavy_rows, settings
 from tests.trace_helpers import write_trace
 
 RATE = 50_000.0  # prompt tokens per second of KV transfer

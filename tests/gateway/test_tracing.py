@@ -18,13 +18,13 @@ from kvgate.config.settings import Settings
 from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.gateway.tracing import names
+from tests.gateway.test_pd import engine as pd_engine
+from tests.gateway.test_pd import free_port
+from tests.gateway.test_pd import instance as pd_instance
+from tests.gateway.test_pd import settings as pd_settings
 from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, gateway_settings, tokenizer
 from tests.otlp_receiver import OTLPReceiver, ReceivedSpan, running_receiver
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
-from tests.test_pd import engine as pd_engine
-from tests.test_pd import free_port
-from tests.test_pd import instance as pd_instance
-from tests.test_pd import settings as pd_settings
 
 MOCK_MODEL = "kvgate/mock-llm"
 CHUNK = 16

@@ -18,7 +18,7 @@ from kvgate.planner.workload import truncated_lognormal
 from kvgate.scheduler.length_profile import LengthProfile
 from tests.trace_helpers import row, write_trace
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CASE_STUDY = REPO / "deploy" / "plan-prfaas-case-study.yaml"
 
 

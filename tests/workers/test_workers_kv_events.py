@@ -19,7 +19,7 @@ from kvgate.processes import free_port
 from kvgate.workers.worker import WORKER_HEADER
 from tests.kv_events_engine import FakeEventsEngine
 from tests.scripted_upstream import MODEL, ScriptedUpstream
-from tests.test_workers_serve import wait_listening
+from tests.workers.test_workers_serve import wait_listening
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -20,7 +20,7 @@ from kvgate.config.loader import load_settings
 from kvgate.config.settings import Settings
 from kvgate.gateway.planning.tokenizer import TokenizerLoadError, load_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[dict] = COMPOSE["services"]
 SUBNET = ipaddress.ip_network(COMPOSE["networks"]["kvgate"]["ipam"]["config"][0]["subnet"])

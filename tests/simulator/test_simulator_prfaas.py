@@ -11,7 +11,7 @@ from kvgate.simulator.prfaas_replay import PrfaasReplay
 from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.synthetic import lognormal_requests
 from kvgate.simulator.trace import read_trace
-from tests.test_simulator import prefix_heavy_rows, settings
+from tests.simulator.test_simulator import prefix_heavy_rows, settings
 from tests.trace_helpers import write_trace
 
 KV_BYTES = 20_000  # per token

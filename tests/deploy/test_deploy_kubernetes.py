@@ -17,9 +17,9 @@ from kvgate.cli import build_parser, main
 from kvgate.config.loader import load_settings
 from kvgate.config.settings import Settings
 from kvgate.scheduler.registry import check_settings
-from tests.test_compose import _offline, gateway_get_routes
+from tests.deploy.test_compose import _offline, gateway_get_routes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZE_ROOT = ROOT / "deploy" / "kubernetes"
 KUSTOMIZATIONS = ["base", "overlays/redis", "overlays/epp"]
 KUBERNETES_VERSION = "1.30.0"  # the first release whose preStop sleep action is on by default

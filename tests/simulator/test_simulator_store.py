@@ -14,7 +14,7 @@ from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
 from kvgate.simulator.report import percentile
 from kvgate.simulator.trace import read_trace
-from tests.test_simulator import prefix_heavy_rows, settings
+from tests.simulator.test_simulator import prefix_heavy_rows, settings
 from tests.trace_helpers import row, write_trace
 
 BS = 16

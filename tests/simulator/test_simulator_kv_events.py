@@ -14,7 +14,7 @@ from kvgate.simulator.kv_events_view import KVEventsView
 from kvgate.simulator.profile import trace_profile
 from kvgate.simulator.replay import Replay, hit_ratio_reference, simulate
 from kvgate.simulator.trace import read_trace
-from tests.test_simulator import prefix_heavy_rows, settings
+from tests.simulator.test_simulator import prefix_heavy_rows, settings
 from tests.trace_helpers import write_trace
 
 
