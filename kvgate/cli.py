@@ -10,6 +10,7 @@ import sys
 # subcommand -> module with `add_parser(subparsers)`; imported lazily so `kvgate hash` stays fast.
 COMMANDS = {
     "serve": "kvgate.commands.serve",
+    "epp": "kvgate.commands.epp",
     "hash": "kvgate.commands.hash",
     "mock-engine": "kvgate.commands.mock_engine",
     "demo": "kvgate.commands.demo",

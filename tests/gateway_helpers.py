@@ -6,14 +6,15 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.config.settings import InstanceConfig, Settings
-from kvgate.gateway.server import GatewayHandle
+from kvgate.gateway.http.server import GatewayHandle
+from kvgate.gateway.planning.tokenizer import load_tokenizer
 from kvgate.gateway.state import GATEWAY
-from kvgate.gateway.tokenizer import load_tokenizer
 
 
 @functools.cache
@@ -98,19 +99,21 @@ class EmbeddedFleet:
     """Mock engines publishing into one in-process index, behind a cache-aware gateway reading it.
 
     `engine_settings` gives each engine its own hashing settings (a different seed makes an engine
-    whose keys the gateway never finds); the gateway hashes with `settings`.
+    whose keys the gateway never finds); the gateway hashes with `settings`. `start` starts another
+    front door over the same core instead of the HTTP gateway (the endpoint picker's `start_picker`).
     """
 
-    def __init__(self, settings: Settings, engine_settings: dict[str, Settings]) -> None:
+    def __init__(self, settings: Settings, engine_settings: dict[str, Settings], start: Callable | None = None) -> None:
         self.settings = settings
         self.engine_settings = engine_settings
         self.engines: dict = {}
-        self.gateway: GatewayHandle | None = None
+        self.gateway: Any = None  # a GatewayHandle, or what `start` returned
+        self._start = start
 
     async def __aenter__(self) -> EmbeddedFleet:
         from kvgate.engine_model import ServiceProfile
-        from kvgate.gateway.server import start_gateway
-        from kvgate.gateway.tokenizer import TokenizerService
+        from kvgate.gateway.http.server import start_gateway
+        from kvgate.gateway.planning.tokenizer import TokenizerService
         from kvgate.kvs_client.embedded import EmbeddedKVSIndex
         from kvgate.mock_engine.publishers import PublisherOptions, open_publisher
         from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
@@ -127,7 +130,7 @@ class EmbeddedFleet:
             instances.append(InstanceConfig(id=instance_id, url=engine.url, model=config.model,
                                             kvs_endpoints=(endpoint,)))
         self.settings = self.settings.model_copy(update={"instances": instances})
-        self.gateway = await start_gateway(self.settings, kvs_index=index, tokenizer=tokenizer())
+        self.gateway = await (self._start or start_gateway)(self.settings, kvs_index=index, tokenizer=tokenizer())
         return self
 
     async def flushed(self) -> None:

@@ -23,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvgate.kvs_client.events.keys import engine_block_hashes
+from kvgate.scheduler.hashing import BlockExtras
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -115,17 +116,24 @@ class FakeEventsEngine:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)
 
-    def hashes(self, token_ids: list[int], seed: str = "0") -> list:
-        return engine_block_hashes(token_ids, self.block_size, seed, as_bytes=not self.int_hashes)
+    def hashes(self, token_ids: list[int], seed: str = "0", extras: BlockExtras | None = None) -> list:
+        return engine_block_hashes(token_ids, self.block_size, seed, as_bytes=not self.int_hashes, extras=extras)
 
-    def store_prompt(self, token_ids: list[int], medium: str = "GPU", parent: Any = None, skip: int = 0) -> list:
-        """A BlockStored event for the prompt's full blocks from block `skip` on (as one event)."""
-        hashes = self.hashes(token_ids)
+    def store_prompt(self, token_ids: list[int], medium: str = "GPU", parent: Any = None, skip: int = 0,
+                     extras: BlockExtras | None = None) -> list:
+        """A BlockStored event for the prompt's full blocks from block `skip` on (as one event), of a
+        request with `extras` (its LoRA adapter, its cache salt) listed untagged as vLLM does."""
+        hashes = self.hashes(token_ids, extras=extras)
         if skip:
             parent = hashes[skip - 1]
         blocks = hashes[skip:]
         tokens = token_ids[skip * self.block_size : (skip + len(blocks)) * self.block_size]
-        return stored(blocks, parent, tokens, self.block_size, medium=medium, encoding=self.encoding)
+        lora_name, extra_keys = None, None
+        if extras:
+            lora_name = extras.lora[0] if extras.lora else None
+            extra_keys = [[key[1] for key in extras.keys(skip + i == 0) or []] or None for i in range(len(blocks))]
+        return stored(blocks, parent, tokens, self.block_size, medium=medium, encoding=self.encoding,
+                      lora_name=lora_name, extra_keys=extra_keys)
 
     async def publish(self, events: list, *, seq: int | None = None, payload: bytes | None = None,
                       send: bool = True) -> int:

@@ -42,6 +42,8 @@ class ScriptedUpstream:
     cancelled: int = 0  # requests whose client went away before the answer ended
     open_streams: int = 0
     url: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free one
     _runner: web.AppRunner | None = None
 
     async def start(self) -> ScriptedUpstream:
@@ -52,9 +54,9 @@ class ScriptedUpstream:
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
         return self
 
     async def close(self) -> None:

@@ -1,6 +1,6 @@
 """`kvgate bench account-sync`: how stale one replica's view of another's dispatches is, through Redis.
 
-Two replicas' account syncs (gateway/account_sync.py, the code `--account-sync` runs) against a
+Two replicas' account syncs (gateway/fleet/account_sync.py, the code `--account-sync` runs) against a
 real redis-server on loopback, each with its own load account, running their rounds every
 `--interval-s` with unrelated phases, as on two machines. Each trial dispatches a request on
 replica A and times how long until replica B's next decision counts it (and, after A releases it,
@@ -26,8 +26,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from kvgate.bench.loadgen import LatencyStats
-from kvgate.gateway.account_sync import AccountSync
 from kvgate.gateway.background import every
+from kvgate.gateway.fleet.account_sync import AccountSync
 from kvgate.kvs_client.launch import start_redis_server
 from kvgate.metrics.definitions import account_sync_metrics
 from kvgate.scheduler.account import LoadAccount

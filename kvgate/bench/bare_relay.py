@@ -16,8 +16,8 @@ import asyncio
 
 from aiohttp import web
 
-from kvgate.gateway.server import tune_gc
-from kvgate.gateway.upstream import UpstreamPool
+from kvgate.gateway.core import tune_gc
+from kvgate.gateway.http.upstream import UpstreamPool
 
 COMPLETIONS = "/v1/completions"
 _HEADERS = "Content-Type: application/json\r\nUser-Agent: kvgate\r\n"

@@ -28,10 +28,10 @@ from kvgate.bench.decision import time_calls
 from kvgate.bench.loadgen import OVERHEAD_PROMPT, LatencyStats
 from kvgate.bench.routers.targets import OVERHEAD_CACHE_AWARE_MIN_TOKENS
 from kvgate.config.settings import InstanceConfig, Settings
-from kvgate.gateway.app import build_app
+from kvgate.gateway.http.app import build_app
+from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 from kvgate.gateway.protocol import parse_completion
 from kvgate.gateway.state import GATEWAY
-from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
 from kvgate.kvs_client import EmbeddedKVSIndex, ResilientKVSClient
 from kvgate.metrics.definitions import gateway_metrics, kvs_metrics
 from kvgate.scheduler.account import LoadAccount

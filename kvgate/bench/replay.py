@@ -69,7 +69,7 @@ def _scheduled_requests(config: ReplayConfig, model: str, records: list[TraceReq
     requests = build_requests(records, speedup=config.speedup, max_tokens_cap=config.max_tokens_cap)
     rendering = None
     if config.prompt_format == "text":
-        from kvgate.gateway.tokenizer import load_tokenizer
+        from kvgate.gateway.planning.tokenizer import load_tokenizer
 
         rendering = TextRendering.from_tokenizer(load_tokenizer(config.tokenizer))
     scheduled = []

@@ -45,7 +45,7 @@ import yaml
 from tabulate import tabulate
 from tqdm import tqdm
 
-from kvgate.gateway.account_sync import KEY_PREFIX
+from kvgate.gateway.fleet.account_sync import KEY_PREFIX
 from kvgate.kvs_client.launch import LocalProcess, RedisServerProcess, free_port, start_redis_server
 
 MODEL = "kvgate/mock-llm"

@@ -1,8 +1,9 @@
 """`kvgate demo`: round robin vs cache-aware routing on one machine, in one process.
 
-Starts an embedded KV index (or, with --mooncake, the real Mooncake master), N mock engines and
-the gateway, replays a workload with shared prefixes twice (fresh engines each time), and
-prints the two runs side by side.
+Starts an embedded KV index (or, with --mooncake, the real Mooncake master; with --kvs-backend
+kv_events no store, the gateway following each engine's KV events), N mock engines and the
+gateway, replays a workload with shared prefixes twice (fresh engines each time), and prints the
+two runs side by side.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from kvgate.bench.loadgen import run_async
 from kvgate.bench.workload import ReplayRequest
 from kvgate.config.settings import PDProtocol, Settings
-from kvgate.demo.fleet import FleetSpec
+from kvgate.demo.fleet import FleetSpec, KVEventsSpec
 from kvgate.demo.prfaas import PrfaasDemo, run_prfaas_demo
 from kvgate.demo.report import format_table
 from kvgate.demo.runner import run_demo, trace_requests
@@ -34,6 +35,7 @@ from kvgate.simulator.trace import TraceError
 BUNDLED_CACHE_BLOCKS = 128
 # Trace prompts are long (12K tokens on average): engines get a whole 80 GB GPU's cache.
 TRACE_CACHE_BLOCKS = ServiceProfile().cache_capacity_blocks
+KVS_BACKENDS = ("embedded", "mooncake", "kv_events")
 
 
 def add_parser(subparsers) -> None:
@@ -68,9 +70,18 @@ def add_parser(subparsers) -> None:
         help="with --trace: cap each request's output tokens (spares the CPU)",
     )
     parser.add_argument(
+        "--kvs-backend",
+        choices=KVS_BACKENDS,
+        default="embedded",
+        help="what the gateway routes on: an embedded store index the engines publish to, the real "
+        "Mooncake master, or the engines' KV events alone (each engine publishes vLLM's events on its "
+        "own TCP ports, docs/KV_EVENTS.md; no store)",
+    )
+    parser.add_argument(
         "--mooncake",
         action="store_true",
-        help="use the real Mooncake master as the KV store (starts mooncake_master)",
+        help="use the real Mooncake master as the KV store (starts mooncake_master); "
+        "the same as --kvs-backend mooncake",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the engines' text")
     parser.add_argument(
@@ -136,7 +147,9 @@ def _fleet(args: argparse.Namespace, master: MooncakeMasterProcess | None) -> Fl
         profile=ServiceProfile(cache_capacity_blocks=capacity),
         settings=Settings(),
     )
-    return FleetSpec(args.engines, engine, master, PDProtocol(args.pd_protocol) if args.pd or args.prfaas else None)
+    events_only = _kvs_backend(args) == "kv_events"
+    return FleetSpec(args.engines, engine, master, PDProtocol(args.pd_protocol) if args.pd or args.prfaas else None,
+                     kv_events=KVEventsSpec() if events_only else None, store=not events_only)
 
 
 @contextlib.contextmanager
@@ -151,15 +164,24 @@ def _store(use_mooncake: bool) -> Iterator[MooncakeMasterProcess | None]:
         yield master
 
 
+def _kvs_backend(args: argparse.Namespace) -> str:
+    return "mooncake" if args.mooncake else args.kvs_backend
+
+
 def _check(args: argparse.Namespace) -> str | None:
+    if args.mooncake and args.kvs_backend not in ("embedded", "mooncake"):
+        return "--mooncake is --kvs-backend mooncake: give one of them"
     if args.engines == "vllm":
-        if args.pd or args.prfaas or args.mooncake:
+        # Real engines are always followed through their KV events (real_engines.py).
+        if args.pd or args.prfaas or _kvs_backend(args) == "mooncake":
             return "--engines vllm runs the plain comparison (no --pd, --prfaas or --mooncake)"
         if not 1 <= args.vllm_engines <= 8:
             return "--vllm-engines must be in 1..8"
         return None
     if args.engines < 1 or args.engines > 250:
         return "--engines must be in 1..250 (one loopback IP each)"
+    if args.prfaas and _kvs_backend(args) == "kv_events":
+        return "--prfaas compares on a store: --kvs-backend embedded or mooncake"
     if (args.pd or args.prfaas) and args.engines < 2:
         return "--pd and --prfaas need --engines 2 or more (a prefill and a decode engine at least)"
     if args.prfaas and (args.prfaas_engines < 1 or args.engines + args.prfaas_engines > 250
@@ -187,11 +209,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.engines == "vllm":
         return _run_real(args, requests, started)
-    from kvgate.gateway.tokenizer import load_tokenizer
+    from kvgate.gateway.planning.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()  # the gateway's; the demo's prompts are token ids
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    store = "the Mooncake master" if args.mooncake else "an embedded index"
+    store = {"embedded": "an embedded index", "mooncake": "the Mooncake master",
+             "kv_events": "none, the engines' KV events alone"}[_kvs_backend(args)]
     fleet = (f"{args.engines} mock engines ({args.engines // 2} prefill + {args.engines - args.engines // 2} decode, "
              f"{args.pd_protocol} hand-off)" if args.pd or args.prfaas else f"{args.engines} mock engines")
     if args.prfaas:
@@ -204,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        with _store(args.mooncake) as master:
+        with _store(_kvs_backend(args) == "mooncake") as master:
             spec = _fleet(args, master)
             if args.prfaas:
                 demo = PrfaasDemo(args.prfaas_engines, args.prfaas_egress_gbps, args.prfaas_kv_bytes_per_token,
@@ -225,7 +248,7 @@ def _run_real(args: argparse.Namespace, requests: list[ReplayRequest], started: 
     from kvgate.engines.install import EnginesMissing, vllm_venv
     from kvgate.engines.model import tiny_model
     from kvgate.engines.vllm import vllm_fleet
-    from kvgate.gateway.tokenizer import load_tokenizer
+    from kvgate.gateway.planning.tokenizer import load_tokenizer
 
     home = engines_home()
     venv = vllm_venv(home)

@@ -19,7 +19,7 @@ from kvgate.config.settings import Settings
 
 if TYPE_CHECKING:  # imported when used: transformers and aiohttp are not needed to reject a config
     from kvgate.doctor.results import CheckResult
-    from kvgate.gateway.tokenizer import TokenizerService
+    from kvgate.gateway.planning.tokenizer import TokenizerService
 
 
 def add_parser(subparsers) -> None:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvgate doctor: {exc}", file=sys.stderr)
         return 2
-    from kvgate.gateway.tokenizer import TokenizerLoadError, TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerLoadError, TokenizerService, load_tokenizer
 
     try:
         tokenizer = TokenizerService(load_tokenizer(settings.tokenizer, settings.chat_template))

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 def _tokenize(text: str, tokenizer_path: str, chat: bool) -> list[int]:
     """The ids the gateway would compute for this text (the same tokenizer service)."""
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on stderr
-    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
     service = TokenizerService(load_tokenizer(tokenizer_path))
     try:

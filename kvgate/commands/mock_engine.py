@@ -68,6 +68,14 @@ def add_parser(subparsers) -> None:
         f"{defaults.cache_capacity_blocks * defaults.block_size} tokens, an 80 GB GPU)",
     )
     parser.add_argument(
+        "--store-segment-blocks",
+        type=int,
+        default=0,
+        help="blocks of the engine's own DRAM segment of the KV store behind its cache: computed blocks are "
+        "kept there, loaded back instead of recomputed, and published to --kvs-backend (0: none, the store "
+        "lists what the cache holds)",
+    )
+    parser.add_argument(
         "--max-batch-tokens",
         type=int,
         default=defaults.max_batch_tokens,
@@ -165,6 +173,7 @@ def _engine_config(args: argparse.Namespace) -> MockEngineConfig:
             settings=settings,
             report_cached_tokens=not args.no_prompt_tokens_details,
             kv_events=_kv_events(args),
+            store_segment_blocks=args.store_segment_blocks,
         )
     except ValueError as exc:
         raise ConfigError(f"configuration error:\n  {exc}") from None
@@ -259,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: MockEngineConfig, options: PublisherOptions) -> None:
-    from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -17,6 +17,7 @@ from kvgate.config.instance_rules import redact_url
 from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, KVSBackendName, Settings
+from kvgate.gateway.tracing import check_tracing
 from kvgate.scheduler.prefix import names_in_store
 from kvgate.scheduler.registry import check_settings
 
@@ -37,11 +38,12 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(cli_values, config_path=args.config)
         check_settings(settings)
         check_pd_serving(settings.instances, settings.pd_protocol)
+        check_tracing(settings)
     except (ConfigError, ValueError) as exc:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     # Imported after validation: aiohttp, transformers and the scheduler are not needed to reject a config.
-    from kvgate.gateway.tokenizer import TokenizerLoadError, load_tokenizer
+    from kvgate.gateway.planning.tokenizer import TokenizerLoadError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning("--debug-routes admin (the default with --api-keys-file) without "
                                             "--admin-token: /metrics and /debug/schedule answer 404")
     if settings.access_log:
-        from kvgate.gateway.access_log import configure_logger
+        from kvgate.gateway.http.access_log import configure_logger
 
         configure_logger()
     from kvgate.workers.supervisor import available_cores, run_workers
@@ -67,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
     if workers > 1:
         del tokenizer  # each worker loads its own
         return run_workers(settings, workers, args.log_level)
-    from kvgate.gateway.server import run_gateway
+    from kvgate.gateway.http.server import run_gateway
 
     return run_gateway(settings, tokenizer)
 
 
 def _summary(settings: Settings, tokenizer: Any) -> str:
-    from kvgate.gateway.tokenizer import describe_tokenizer
+    from kvgate.gateway.planning.tokenizer import describe_tokenizer
 
     lines = [
         "configuration OK",

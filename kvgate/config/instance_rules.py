@@ -97,3 +97,19 @@ def check_url_in_networks(url: str, networks: tuple[IPNetwork, ...]) -> None:
     if not any(address in network for network in networks):
         allowed = ", ".join(str(n) for n in networks)
         raise ValueError(f"{redact_url(url)} is outside the networks allowed for instances (--instance-networks {allowed})")
+
+
+def check_lora_adapters(instances: Iterable) -> None:
+    """One path per adapter name across the fleet, and no adapter named as a base model: a request
+    names an adapter as its model, and its block keys mix in that one path (an `InstanceConfig`
+    iterable; typed loosely because config/settings.py imports this module)."""
+    paths: dict[str, str] = {}
+    base_models = {instance.model for instance in instances}
+    for instance in instances:
+        for name, path in instance.lora_adapters.items():
+            if name in base_models:
+                raise ValueError(f"LoRA adapter {name!r} of instance {instance.id} is also a base model's name")
+            if paths.setdefault(name, path) != path:
+                raise ValueError(f"LoRA adapter {name!r} is loaded from {paths[name]!r} and from {path!r} "
+                                 f"(instance {instance.id}): the engines' block hashes differ; use one path "
+                                 "or two adapter names")

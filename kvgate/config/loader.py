@@ -24,6 +24,11 @@ from kvgate.config.settings import Settings
 ENV_PREFIX = "KVGATE_"
 # Engines and Llumnix read the hash seed from this variable; kvgate honours the same one.
 SEED_ENV = "GO_HASH_SEED"
+# OpenTelemetry's own variables, honoured as a layer below KVGATE_* (the first one set wins).
+OTEL_ENV = {
+    "otlp_traces_protocol": ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    "otlp_service_name": ("OTEL_SERVICE_NAME",),
+}
 _FILE_ONLY_FIELDS = {"instances"}
 
 
@@ -65,6 +70,10 @@ def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     if environ.get(SEED_ENV) is not None:
         values["hash_seed"] = environ[SEED_ENV]
+    for name, variables in OTEL_ENV.items():
+        value = next((environ[v] for v in variables if environ.get(v)), None)
+        if value is not None:
+            values[name] = value
     for name in Settings.model_fields:
         key = ENV_PREFIX + name.upper()
         if key in environ and name not in _FILE_ONLY_FIELDS:

@@ -9,16 +9,26 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvgate.config.settings import InstanceConfig, PDProtocol
+
+class PDInstance(Protocol):
+    """The fields of settings.InstanceConfig these rules read (settings.py calls them: no import back)."""
+
+    id: str
+    model: str
+    role: str
+    bootstrap_port: int | None
+    bootstrap_host: str
+
+
+PDProtocol = str  # settings.PDProtocol, a StrEnum: "sglang" | "vllm"
 
 # SGLang's --disaggregation-bootstrap-port default, used when a prefill instance names none.
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 
 
-def check_pd_serving(instances: Sequence[InstanceConfig], protocol: PDProtocol | None) -> None:
+def check_pd_serving(instances: Sequence[PDInstance], protocol: PDProtocol | None) -> None:
     """A gateway serving prefill or decode instances must know their hand-off. (Checked when
     serving only: planners read fleets with these roles without speaking to them.)"""
     disaggregated = sorted(i.id for i in instances if i.role in ("prefill", "decode"))
@@ -29,7 +39,7 @@ def check_pd_serving(instances: Sequence[InstanceConfig], protocol: PDProtocol |
         )
 
 
-def check_bootstrap_fields(instance: InstanceConfig) -> None:
+def check_bootstrap_fields(instance: PDInstance) -> None:
     if instance.role != "prefill" and (instance.bootstrap_port is not None or instance.bootstrap_host):
         raise ValueError(
             f"instance {instance.id!r}: bootstrap_port and bootstrap_host apply to prefill instances only"
@@ -37,7 +47,7 @@ def check_bootstrap_fields(instance: InstanceConfig) -> None:
 
 
 def check_pd_fleet(
-    instances: Sequence[InstanceConfig], protocol: PDProtocol | None, skip_below_tokens: int
+    instances: Sequence[PDInstance], protocol: PDProtocol | None, skip_below_tokens: int
 ) -> None:
     """Raise ValueError naming the first invalid combination."""
     roles: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))

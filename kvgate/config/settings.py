@@ -63,6 +63,14 @@ class InstanceRole(StrEnum):
     DECODE = "decode"
 
 
+class DiscoveryName(StrEnum):
+    """Where the fleet comes from (docs/DISCOVERY.md)."""
+
+    STATIC = "static"  # the `instances` list alone
+    FILE = "file"  # an instance list file, re-read when it changes
+    KUBERNETES = "kubernetes"  # the ready pods of a label selector or an InferencePool
+
+
 class PrfaasBandwidthMode(StrEnum):
     """How a request's cached prefixes in the two clusters are weighed (Prefill-as-a-Service)."""
 
@@ -79,6 +87,13 @@ DEFAULT_METRIC_ORDER = (
     "num_requests",
     "kv_cache_usage_ratio",
 )
+
+
+class OTLPProtocol(StrEnum):
+    """OTLP transports, named as OTEL_EXPORTER_OTLP_TRACES_PROTOCOL names them."""
+
+    HTTP_PROTOBUF = "http/protobuf"
+    GRPC = "grpc"
 
 
 class EarlyRejection(StrEnum):
@@ -114,6 +129,24 @@ class InstanceConfig(BaseModel):
     # --- the engine's KV events (docs/KV_EVENTS.md): kvgate connects a SUB socket here ---
     kv_events_endpoint: str = Field("", description="The engine's KV events PUB socket, tcp://HOST:PORT; empty: none.")
     kv_events_replay_endpoint: str = Field("", description="The engine's replay ROUTER socket, tcp://HOST:PORT.")
+    # LoRA adapters the engine serves, name -> the path it loaded it from (vLLM --lora-modules
+    # NAME=PATH; its /v1/models lists it as "root"). A request naming NAME as its model goes to such
+    # an instance, and its block keys mix in the adapter as the engine's do (docs/ENGINES.md).
+    lora_adapters: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapters(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not name or not path:
+                raise ValueError("each LoRA adapter needs a name and the path the engine loaded it from")
+        return value
+
+    def serves(self, model: str) -> bool:
+        return model == self.model or model in self.lora_adapters
+
+    def __hash__(self) -> int:  # frozen, with a dict field: hash what identifies the instance
+        return hash((self.id, self.url, self.model))
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
@@ -244,6 +277,10 @@ class Settings(BaseModel):
     health_check_failures_to_eject: int = Field(2, ge=1)
     stats_poll_interval_s: float = Field(1.0, gt=0)
     admin_token: str = Field("", description="Bearer token for /admin routes; empty disables them.")
+    epp_http_port: int = Field(
+        9090, ge=0, le=65535, description="`kvgate epp` (flag --http-port too): port of its HTTP side (metrics, "
+        "health, /debug/schedule, admin) beside the gRPC port --port; 0 picks a free one.",
+    )
     forward_token_ids: bool = Field(False, description="Send the prompt to engines as token ids.")
 
     # --- TTFT model, conductor policy and early rejection (docs/SCHEDULING.md) ---
@@ -455,6 +492,54 @@ class Settings(BaseModel):
         1.25, gt=1, description="Each threshold change multiplies or divides by this."
     )
 
+    # --- fleet discovery: instances added and removed as a file or Kubernetes says (docs/DISCOVERY.md) ---
+    discovery: DiscoveryName = Field(
+        DiscoveryName.STATIC, description="static | file | kubernetes: where instances beyond `instances` come from."
+    )
+    discovery_file: str = Field("", description="--discovery file: YAML or JSON list of instances, re-read on change.")
+    discovery_file_poll_interval_s: float = Field(
+        1.0, gt=0, description="How often the discovery file's modification time and inode are checked."
+    )
+    discovery_namespace: str = Field(
+        "", description="Namespace whose pods are watched; empty: the gateway pod's own (else 'default')."
+    )
+    discovery_label_selector: str = Field("", description="Pods to watch, e.g. 'app=vllm,tier!=canary'.")
+    discovery_inference_pool: str = Field(
+        "", description="InferencePool (inference.networking.k8s.io/v1) whose selector and target ports name the pods."
+    )
+    discovery_port: int = Field(
+        8000, ge=1, le=65535, description="Engine port on the pods with --discovery-label-selector (annotation "
+        "kvgate.io/port overrides it per pod).",
+    )
+    discovery_model: str = Field("", description="Model of pods without a kvgate.io/model label or annotation.")
+    discovery_kubeconfig: str = Field(
+        "", description="kubeconfig file; empty: the in-cluster service account, else the default kubeconfig."
+    )
+    discovery_kube_context: str = Field("", description="kubeconfig context; empty: its current context.")
+    discovery_watch_timeout_s: int = Field(
+        60, ge=1, description="Each pod watch ends after this long; the InferencePool is re-read before the next.",
+    )
+    discovery_backoff_max_s: float = Field(
+        30.0, gt=0, description="Longest wait between retries while the Kubernetes API server fails.",
+    )
+
+    # --- tracing: OpenTelemetry spans of each request, exported over OTLP (docs/OPERATIONS.md, "Tracing") ---
+    otlp_traces_endpoint: str = Field(
+        "", description="OTLP traces endpoint: http/protobuf a full URL (http://collector:4318/v1/traces), grpc "
+        "host:port or a URL (http:// = no TLS); empty: tracing off. Needs pip install 'kvgate[tracing]'.",
+    )
+    otlp_traces_protocol: OTLPProtocol = Field(
+        OTLPProtocol.HTTP_PROTOBUF, description="http/protobuf | grpc (also read from the environment as "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, then OTEL_EXPORTER_OTLP_PROTOCOL, below KVGATE_*).",
+    )
+    otlp_traces_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Share of new traces recorded; a request carrying a traceparent follows "
+        "its sampled flag.",
+    )
+    otlp_service_name: str = Field(
+        "kvgate", min_length=1, description="service.name of kvgate's spans (also read from OTEL_SERVICE_NAME)."
+    )
+
     instances: tuple[InstanceConfig, ...] = ()
 
     @field_validator("prfaas_kv_size_mib", mode="before")
@@ -593,6 +678,17 @@ class Settings(BaseModel):
         duplicated = sorted({i for i in ids if ids.count(i) > 1})
         if duplicated:
             raise ValueError(f"instances: duplicated id(s) {duplicated}")
+        instance_rules.check_lora_adapters(self.instances)
+        return self
+
+    @model_validator(mode="after")
+    def _discovery_source_named(self) -> Settings:
+        if self.discovery == DiscoveryName.FILE and not self.discovery_file:
+            raise ValueError("discovery file needs discovery_file")
+        if self.discovery == DiscoveryName.KUBERNETES and (
+            bool(self.discovery_label_selector) == bool(self.discovery_inference_pool)
+        ):
+            raise ValueError("discovery kubernetes needs one of discovery_label_selector or discovery_inference_pool")
         return self
 
     @model_validator(mode="after")

@@ -3,7 +3,8 @@
 The store is the embedded index (shared in-process by engines and gateway) or, with a Mooncake
 master, the real store: each engine publishes from its own loopback IP (127.0.0.2, .3, ...) and
 the gateway maps those IPs back to instances, exactly as it would for separate hosts.
-With `kv_events`, every engine also publishes its prefix cache's changes as vLLM's KV events.
+With `kv_events`, every engine also publishes its prefix cache's changes as vLLM's KV events and
+the gateway follows them (beside the store, or alone with `store=False`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvgate.config.settings import (
     PDProtocol,
     Settings,
 )
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.kvs_client.embedded import EmbeddedKVSIndex
 from kvgate.kvs_client.launch import MooncakeMasterProcess
 from kvgate.mock_engine.kv_event_wire import EventEncoding, HashFormat
@@ -99,8 +100,15 @@ class FleetSpec:
     pd_protocol: PDProtocol | None = None
     # With pd_protocol: a remote prefill cluster, engines num_engines and up.
     prfaas: PrfaasSpec | None = None
-    # Engines also publish KV events (engine i on kv_events.endpoint(i)); None: they do not.
+    # Engines also publish KV events (engine i on kv_events.endpoint(i)) and the gateway follows
+    # them; None: they do not.
     kv_events: KVEventsSpec | None = None
+    # False: no store at all (needs kv_events), the gateway routes on the events alone.
+    store: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.store and (self.kv_events is None or self.mooncake is not None):
+            raise ValueError("a fleet without a store routes on KV events: give kv_events, not mooncake")
 
     @property
     def total_engines(self) -> int:
@@ -149,6 +157,12 @@ def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandl
             id=f"engine-{i}", url=engine.url, model=spec.engine.model, kvs_endpoints=(spec.engine_ip(i),),
             role=spec.role(i), cluster=spec.cluster(i),
             bootstrap_port=engine.engine.config.pd.bootstrap_port if engine.engine.config.pd else None,
+            **(
+                {"kv_events_endpoint": spec.kv_events.endpoint(i),
+                 "kv_events_replay_endpoint": spec.kv_events.replay_endpoint(i)}
+                if spec.kv_events is not None
+                else {}
+            ),
         )
         for i, engine in enumerate(engines)
     )
@@ -158,7 +172,7 @@ def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandl
         "port": 0,
         "dispatch_policy": policy,
         "instances": instances,
-        "kvs_backend": KVSBackendName.MOONCAKE if spec.mooncake else KVSBackendName.EMBEDDED,
+        "kvs_backend": _kvs_backend(spec),
         "pd_protocol": spec.pd_protocol,
         **(spec.prfaas.gateway if spec.prfaas else {}),
     }
@@ -168,10 +182,16 @@ def gateway_settings(spec: FleetSpec, policy: str, engines: list[MockEngineHandl
     return Settings.model_validate(values)
 
 
+def _kvs_backend(spec: FleetSpec) -> KVSBackendName:
+    if not spec.store:
+        return KVSBackendName.KV_EVENTS
+    return KVSBackendName.MOONCAKE if spec.mooncake else KVSBackendName.EMBEDDED
+
+
 async def _start_engine(spec: FleetSpec, index: int, embedded: EmbeddedKVSIndex | None) -> MockEngineHandle:
     master = spec.mooncake
     options = PublisherOptions(
-        backend="mooncake" if master else "embedded",
+        backend="none" if not spec.store else "mooncake" if master else "embedded",
         settings=spec.engine.settings,
         local_ip=spec.engine_ip(index),
         **(
@@ -195,7 +215,7 @@ async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIt
 
     `tokenizer` is a loaded Hugging Face tokenizer handed to the gateway (loaded once per demo).
     """
-    embedded = None if spec.mooncake else EmbeddedKVSIndex()
+    embedded = EmbeddedKVSIndex() if spec.store and spec.mooncake is None else None
     engines: list[MockEngineHandle] = []
     try:
         engines = await start_engines(spec, embedded)
@@ -210,7 +230,8 @@ async def running_fleet(spec: FleetSpec, policy: str, tokenizer: Any) -> AsyncIt
 
 
 async def start_engines(spec: FleetSpec, embedded: EmbeddedKVSIndex | None) -> list[MockEngineHandle]:
-    """Every engine of `spec`, publishing to `embedded` (None: spec.mooncake); none left running on failure."""
+    """Every engine of `spec`, publishing to `embedded` (None: spec.mooncake, or no store); none left
+    running on failure."""
     started = await asyncio.gather(
         *(_start_engine(spec, i, embedded) for i in range(spec.total_engines)), return_exceptions=True
     )

@@ -13,26 +13,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from kvgate.bench.workload import ReplayRequest
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.demo.runner import POLICIES, PolicyRun, replay_through, scheduled_requests
 from kvgate.engines.model import TINY_MODEL_NAME
-from kvgate.engines.vllm import VLLMEngine, VLLMEngineSpec, parse_metric_sums
-from kvgate.gateway.server import start_gateway
+from kvgate.engines.vllm import VLLMEngine, VLLMEngineSpec, fleet_hit_ratio, fleet_specs
+from kvgate.gateway.http.server import start_gateway
 
 # The bundled conversations' longest prompt is ~7,200 tokens.
 MAX_MODEL_LEN = 8192
-_HITS, _QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
 def engine_specs(model_dir: Path, count: int, cache_blocks: int) -> list[VLLMEngineSpec]:
-    return [
-        VLLMEngineSpec(model_dir, TINY_MODEL_NAME, core=i % 2, max_model_len=MAX_MODEL_LEN, dev_mode=True,
-                       extra_args=("--num-gpu-blocks-override", str(cache_blocks)))
-        for i in range(count)
-    ]
+    return fleet_specs(model_dir, TINY_MODEL_NAME, count, cache_blocks, MAX_MODEL_LEN)
 
 
 def gateway_settings(engines: Sequence[VLLMEngine], policy: str, model_dir: Path) -> Settings:
@@ -55,36 +48,21 @@ def gateway_settings(engines: Sequence[VLLMEngine], policy: str, model_dir: Path
     )
 
 
-async def _engine_counters(session: aiohttp.ClientSession, engine: VLLMEngine) -> tuple[float, float]:
-    async with session.get(engine.url + "/metrics") as response:
-        sums = parse_metric_sums(await response.text())
-    return sums.get(_HITS, 0.0), sums.get(_QUERIES, 0.0)
-
-
-async def _reset_caches(session: aiohttp.ClientSession, engines: Sequence[VLLMEngine]) -> None:
-    for engine in engines:
-        async with session.post(engine.url + "/reset_prefix_cache") as response:
-            if response.status != 200:
-                raise RuntimeError(f"{engine.url}/reset_prefix_cache answered {response.status}: "
-                                   "the engines need VLLM_SERVER_DEV_MODE=1")
-
-
 async def run_real_demo(engines: Sequence[VLLMEngine], model_dir: Path, requests: Sequence[ReplayRequest],
                         tokenizer: Any, progress: bool = True) -> list[PolicyRun]:
     scheduled = scheduled_requests(requests, TINY_MODEL_NAME)
     runs = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        for policy in POLICIES:
-            await _reset_caches(session, engines)
-            before = await asyncio.gather(*(_engine_counters(session, e) for e in engines))
-            gateway = await start_gateway(gateway_settings(engines, policy, model_dir), tokenizer=tokenizer)
-            try:
-                summary = await replay_through(gateway.url, scheduled, policy, progress, timeout_s=300.0)
-            finally:
-                await gateway.close()
-            after = await asyncio.gather(*(_engine_counters(session, e) for e in engines))
-            hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-            queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-            ratio = f"{hits / queries:.1%}" if queries else "-"
-            runs.append(PolicyRun(policy, summary, {"engines' hit ratio (vllm:prefix_cache_hits / queries)": ratio}))
+    for policy in POLICIES:
+        for engine in engines:
+            await asyncio.to_thread(engine.reset_prefix_cache)
+        before = await asyncio.gather(*(asyncio.to_thread(e.prefix_cache_counters) for e in engines))
+        gateway = await start_gateway(gateway_settings(engines, policy, model_dir), tokenizer=tokenizer)
+        try:
+            summary = await replay_through(gateway.url, scheduled, policy, progress, timeout_s=300.0)
+        finally:
+            await gateway.close()
+        after = await asyncio.gather(*(asyncio.to_thread(e.prefix_cache_counters) for e in engines))
+        ratio = fleet_hit_ratio(before, after)
+        shown = "-" if ratio is None else f"{ratio:.1%}"
+        runs.append(PolicyRun(policy, summary, {"engines' hit ratio (vllm:prefix_cache_hits / queries)": shown}))
     return runs

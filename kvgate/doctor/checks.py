@@ -23,9 +23,9 @@ from kvgate.doctor import events
 from kvgate.doctor.keys import gateway_keys, key_variants
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TEXT, PROBE_TOOLS, fresh_token_prompt
 from kvgate.doctor.results import CheckResult
-from kvgate.gateway.chat_inputs import chat_template_inputs
-from kvgate.gateway.engine_stats import parse_engine_stats
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.fleet.engine_stats import parse_engine_stats
+from kvgate.gateway.planning.chat_inputs import chat_template_inputs
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.scheduler.prefix import endpoint_map as endpoint_map_for
 

@@ -15,9 +15,14 @@ from pathlib import Path
 
 from kvgate.engines import tiny_model_script
 from kvgate.engines.install import EnginesMissing, EngineVenv
-from kvgate.gateway.tokenizer import DEFAULT_CHAT_TEMPLATE, default_tokenizer_dir
+from kvgate.gateway.planning.tokenizer import DEFAULT_CHAT_TEMPLATE, default_tokenizer_dir
 
 TINY_MODEL_NAME = "kvgate/tiny-llama"
+TINY_LORA_NAME = "tiny-lora"  # the adapter built beside the model, as engines serve it (--lora-modules)
+
+
+def tiny_lora_dir(model_dir: Path) -> Path:
+    return model_dir / tiny_model_script.LORA_DIR
 
 
 def tiny_model(venv: EngineVenv, home: Path) -> Path:

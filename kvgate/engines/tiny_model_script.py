@@ -7,6 +7,7 @@ are gibberish, but tokenizing, caching, hashing, KV events and KV transfers are 
 
 Shape: 2 layers, hidden 64, 4 attention heads of head_dim 32 (vLLM's CPU attention needs >= 32),
 2 KV heads, tied embeddings, bf16: about 8M parameters, almost all of them the 129,280-token embedding.
+Beside it, in lora/, a LoRA adapter of it (build_lora).
 """
 
 from __future__ import annotations
@@ -48,6 +49,37 @@ def build(out_dir: Path, tokenizer_dir: Path, chat_template: Path) -> None:
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
+    build_lora(out_dir / LORA_DIR, config)
+
+
+# A LoRA adapter of the tiny model (rank 8 on q_proj and v_proj, random weights), in PEFT's layout:
+# enough for an engine to serve it and mix it into its block hashes as for any adapter.
+LORA_DIR = "lora"
+LORA_RANK = 8
+
+
+def build_lora(out_dir: Path, config) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(SEED + 1)
+    q_out = config.num_attention_heads * config.head_dim
+    v_out = config.num_key_value_heads * config.head_dim
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, out_features in (("q_proj", q_out), ("v_proj", v_out)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            for part, shape in (("lora_A", (LORA_RANK, config.hidden_size)), ("lora_B", (out_features, LORA_RANK))):
+                weight = torch.randn(shape, generator=generator) * 0.01
+                tensors[f"{prefix}.{part}.weight"] = weight.to(torch.bfloat16)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+               "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none",
+               "base_model_name_or_path": str(out_dir.parent), "fan_in_fan_out": False}
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ from kvgate.engines.install import EngineVenv
 from kvgate.processes import LOOPBACK, LocalProcess, free_port
 
 EngineRole = Literal["neutral", "prefill", "decode"]
-START_TIMEOUT_S = 240.0
+# About 70-95 s on an idle core (most of it torch.compile's warm-up); a busy machine can triple it.
+START_TIMEOUT_S = 600.0
+# The engine's own prefix-cache counters (prompt tokens found cached / looked up), from /metrics.
+PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class VLLMEngineSpec:
     nixl_side_channel_port: int = field(default_factory=free_port)
     # vLLM's development routes, among them POST /reset_prefix_cache (the demo empties caches between runs).
     dev_mode: bool = False
+    # LoRA adapters served beside the model, name -> directory (vLLM --enable-lora --lora-modules).
+    lora_adapters: dict[str, Path] = field(default_factory=dict)
+    # Where the engine exports its request spans (OTLP over HTTP, e.g. http://127.0.0.1:4318/v1/traces):
+    # a request kvgate forwards carries kvgate's traceparent, so the engine's span joins its trace.
+    otlp_traces_endpoint: str = ""
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -91,6 +99,10 @@ class VLLMEngineSpec:
                 "topic": "kv-events",
             }
             argv += ["--kv-events-config", json.dumps(events)]
+        if self.lora_adapters:
+            argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in self.lora_adapters.items())]
+        if self.otlp_traces_endpoint:
+            argv += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         if self.role != "neutral":
             transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
             argv += ["--kv-transfer-config", json.dumps(transfer)]
@@ -108,6 +120,8 @@ class VLLMEngineSpec:
         )
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if self.otlp_traces_endpoint:  # vLLM exports over gRPC unless told otherwise
+            env.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf", OTEL_SERVICE_NAME="vllm")
         if self.role != "neutral":
             env.update(
                 VLLM_NIXL_SIDE_CHANNEL_HOST=LOOPBACK,
@@ -149,15 +163,56 @@ class VLLMEngine:
 
     def metrics(self) -> dict[str, float]:
         """The engine's unlabelled-by-us Prometheus samples, summed over label sets, by metric name."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5.0) as response:
-            text = response.read().decode()
-        return parse_metric_sums(text)
+        return read_metric_sums(self.url)
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters:
+        return read_prefix_cache_counters(self.url)
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache (a cold start for the next run); needs the spec's dev_mode."""
+        request = urllib.request.Request(f"{self.url}/reset_prefix_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=30.0) as response:
+                status = response.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        if status != 200:
+            raise RuntimeError(f"{self.url}/reset_prefix_cache answered {status}: "
+                               "the engines need VLLM_SERVER_DEV_MODE=1 (VLLMEngineSpec.dev_mode)")
 
     def kill(self) -> None:
         self.process.kill()
 
     def stop(self) -> None:
         self.process.stop(grace_s=15.0)
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounters:
+    """One reading of an engine's prefix-cache counters, in prompt tokens."""
+
+    hits: float
+    queries: float
+
+
+def read_metric_sums(base_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5.0) as response:
+        return parse_metric_sums(response.read().decode())
+
+
+def read_prefix_cache_counters(base_url: str) -> PrefixCacheCounters:
+    """An engine's (vLLM's or kvgate's mock engine's) prefix-cache counters, read from its /metrics;
+    a counter not shown yet is 0."""
+    sums = read_metric_sums(base_url)
+    return PrefixCacheCounters(sums.get(PREFIX_CACHE_HITS, 0.0), sums.get(PREFIX_CACHE_QUERIES, 0.0))
+
+
+def fleet_hit_ratio(before: Sequence[PrefixCacheCounters], after: Sequence[PrefixCacheCounters]) -> float | None:
+    """The engines' own hit ratio between two readings: the rise of their hits over that of their
+    queries, summed over the fleet (None: no prompt token was looked up meanwhile)."""
+    hits = sum(a.hits - b.hits for a, b in zip(after, before, strict=True))
+    queries = sum(a.queries - b.queries for a, b in zip(after, before, strict=True))
+    return hits / queries if queries > 0 else None
 
 
 def parse_metric_sums(text: str) -> dict[str, float]:
@@ -169,6 +224,17 @@ def parse_metric_sums(text: str) -> dict[str, float]:
         for sample in family.samples:
             sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
+
+
+def fleet_specs(model_dir: Path, served_model_name: str, count: int, cache_blocks: int,
+                max_model_len: int) -> list[VLLMEngineSpec]:
+    """A plain fleet of `count` engines on alternate cores, each with `cache_blocks` blocks of KV cache,
+    publishing KV events, with the development routes (its caches are emptied between runs)."""
+    return [
+        VLLMEngineSpec(model_dir, served_model_name, core=i % 2, max_model_len=max_model_len, dev_mode=True,
+                       extra_args=("--num-gpu-blocks-override", str(cache_blocks)))
+        for i in range(count)
+    ]
 
 
 @contextlib.contextmanager

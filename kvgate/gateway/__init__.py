@@ -1,9 +1,12 @@
-"""The OpenAI-compatible gateway (`kvgate serve`). A request's path through the modules:
+"""The gateway: one core, two front doors over it (ARCHITECTURE.md).
 
-observe.py (request id, counts) -> errors.py (OpenAI-style errors, one place) -> app.py (routes)
--> protocol.py (validate the body) -> routing.py (tokenizer.py, hash, KV store, scheduler decision)
--> the scheduler's rejection filter (429 + Retry-After) -> forwarder.py (retries, SSE relay; inflight.py keeps the account, ttft_feedback.py calibrates)
--> upstream.py (pooled keep-alive connections to the engines).
-Beside it: registry.py + health.py (instances and their health), engine_stats.py (engine load
-scraping), admin.py, debug.py, server.py (start_gateway for programs, run_gateway for the CLI).
+The core (core.py builds it once, state.py holds it): fleet/ (instances, health, engine stats, the
+account's shared rows, run-time changes), planning/ (prompt -> token ids -> block keys -> store and
+KV-events lookups -> the scheduler's decision; core.plan_admitted adds early rejection) and
+feedback/ (first byte, usage and end of each answer back into the account, the TTFT model and the
+hit accounting). errors.py and protocol.py are shared: OpenAI errors and request bodies.
+
+The front doors: http/ (kvgate is the proxy: the aiohttp app, forwarding, SSE relay, PD hand-offs)
+and ext_proc/ (Envoy is the proxy, kvgate its endpoint picker). Both serve operations/ (/health,
+/livez, /metrics, /debug, /admin) and may trace a request (tracing/).
 """

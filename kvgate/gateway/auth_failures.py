@@ -7,7 +7,8 @@ its key is even looked at, until a token is back: a guesser is held to the refil
 nothing while it waits. Keys are still compared in constant time (auth.py, admin.py).
 
 Addresses are kept in least-recently-failed order up to `MAX_ADDRESSES`, so a scan from many
-addresses cannot grow the table without bound (the oldest are forgotten first).
+addresses cannot grow the table without bound (the oldest are forgotten first). Both front doors'
+key checks read presented secrets through `header_bytes`.
 """
 
 from __future__ import annotations
@@ -76,3 +77,9 @@ class AuthFailureBudget:
 
     def __len__(self) -> int:
         return len(self._addresses)
+
+
+def header_bytes(text: str) -> bytes:
+    """A header value as the client sent it: aiohttp decodes bytes that are not UTF-8 to surrogates,
+    which a plain encode() refuses (a 500 for what is only a wrong key)."""
+    return text.encode("utf-8", "surrogateescape")

@@ -10,7 +10,7 @@ wrong type is a clear 400 here rather than an engine's error after routing.
 Every request pays for parsing, so the usual shapes (a text or token-id prompt, text chat
 messages) are recognised by a few type checks first; pydantic validates everything else and
 writes the error messages. The quick check only ever accepts bodies pydantic accepts
-(tests/test_gateway_protocol.py checks it on generated bodies).
+(tests/gateway/test_gateway_protocol.py checks it on generated bodies).
 """
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ from prometheus_client import CollectorRegistry
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth_failures import AuthFailureBudget
-from kvgate.gateway.forwarder import Forwarder
-from kvgate.gateway.hit_accounting import HitAccounting
-from kvgate.gateway.inflight import InflightTracker
-from kvgate.gateway.prfaas import PrfaasLink
-from kvgate.gateway.registry import InstanceRegistry
-from kvgate.gateway.routing import RoutePlanner
-from kvgate.gateway.tokenizer import TokenizerService
+from kvgate.gateway.feedback.dispatch import DispatchFeedback
+from kvgate.gateway.feedback.hit_accounting import HitAccounting
+from kvgate.gateway.feedback.prfaas import PrfaasLink
+from kvgate.gateway.fleet.inflight import InflightTracker
+from kvgate.gateway.fleet.registry import InstanceRegistry
+from kvgate.gateway.planning.routing import RoutePlanner
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.events.view import EventsView
 from kvgate.metrics.definitions import GatewayMetrics
@@ -26,12 +26,13 @@ from kvgate.scheduler.decode import DecodeLedger
 from kvgate.scheduler.router import Scheduler
 
 if TYPE_CHECKING:
-    from kvgate.workers.worker import WorkerShare
+    from kvgate.gateway.tracing.provider import Tracing
+    from kvgate.gateway.worker_share import WorkerShare
 
 
 @dataclass
 class Gateway:
-    """Everything one running gateway holds, built by `build_app`."""
+    """Everything one running gateway holds, built once by `core.build_gateway` for its front door."""
 
     settings: Settings
     prometheus: CollectorRegistry
@@ -46,17 +47,20 @@ class Gateway:
     hits: HitAccounting
     # Failed authentications per client address (API keys and the admin token).
     auth_failures: AuthFailureBudget
+    # What answers teach the core (account, TTFT model, hit accounting, outliers), for every front door.
+    feedback: DispatchFeedback
     # Predicted decode tokens per decode instance (prefill/decode disaggregation).
     decode_ledger: DecodeLedger = field(default_factory=DecodeLedger)
     # The Prefill-as-a-Service rule's link and gauges (None without --prfaas-cluster).
     prfaas: PrfaasLink | None = None
     started: int = field(default_factory=lambda: int(time.time()))
-    # Set when the application starts (it needs the running loop's client session).
-    forwarder: Forwarder | None = None
+    # The HTTP front door's, set when its application starts (it needs the running loop).
     # One worker of several (`kvgate serve --workers N`): the memory it shares with the others.
     shared: WorkerShare | None = None
     # The engines' KV events index (docs/KV_EVENTS.md); None when no instance publishes events.
     events: EventsView | None = None
+    # OpenTelemetry tracing (gateway/tracing/); None when off (no --otlp-traces-endpoint).
+    tracing: Tracing | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -223,7 +223,7 @@ def account_sync_metrics(registry: CollectorRegistry) -> AccountSyncMetrics:
     )
 
 
-# --- client API keys (gateway/auth.py) ---
+# --- client API keys (gateway/http/auth.py) ---
 @dataclass(frozen=True)
 class ClientKeyMetrics:
     requests: Counter  # key (the key's name, never the key), outcome: accepted | rate_limited | inflight_limited
@@ -244,7 +244,7 @@ def client_key_metrics(registry: CollectorRegistry) -> ClientKeyMetrics:
     )
 
 
-# --- closed-loop hit accounting: predicted vs engine-reported cached tokens (gateway/hit_accounting.py) ---
+# --- closed-loop hit accounting: predicted vs engine-reported cached tokens (gateway/feedback/hit_accounting.py) ---
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def hit_metrics(registry: CollectorRegistry) -> HitMetrics:
     )
 
 
-# --- Prefill-as-a-Service: the cluster rule's state (scheduler/prfaas.py, gateway/prfaas.py) ---
+# --- Prefill-as-a-Service: the cluster rule's state (scheduler/prfaas.py, gateway/feedback/prfaas.py) ---
 
 
 @dataclass(frozen=True)
@@ -326,7 +326,7 @@ def prfaas_metrics(registry: CollectorRegistry) -> PrfaasMetrics:
     )
 
 
-# --- tokenizing only what routing needs (gateway/prompt_window.py, --tokenize-tail estimate) ---
+# --- tokenizing only what routing needs (gateway/planning/prompt_window.py, --tokenize-tail estimate) ---
 
 
 @dataclass(frozen=True)
@@ -426,7 +426,7 @@ class KVEventsLookupMetrics:
     """Written on the request path, by every worker."""
 
     lookups: Counter  # outcome: hit | miss | busy
-    unmatched: Counter  # reason: cache_salt
+    unmatched: Counter  # reason: lora | cache_salt
 
 
 def kv_events_lookup_metrics(registry: CollectorRegistry) -> KVEventsLookupMetrics:
@@ -436,5 +436,39 @@ def kv_events_lookup_metrics(registry: CollectorRegistry) -> KVEventsLookupMetri
                         ["outcome"], registry=registry),
         unmatched=Counter("kvgate_kv_events_unmatched_requests",
                           "Requests routed without the events index because the engine hashes them with keys "
-                          "kvgate cannot compute, by reason (cache_salt).", ["reason"], registry=registry),
+                          "kvgate cannot compute with its kvs_hash_algo, by reason (lora, cache_salt).", ["reason"], registry=registry),
+    )
+
+
+# --- fleet discovery: a file or the Kubernetes API adds and removes instances (kvgate/discovery/) ---
+@dataclass(frozen=True)
+class DiscoveryMetrics:
+    events: Counter  # source, event
+    changes: Counter  # change: added | removed | replaced
+    errors: Counter  # source, reason
+    relists: Counter  # reason
+    instances: Gauge
+    source_up: Gauge  # source
+
+
+def discovery_metrics(registry: CollectorRegistry) -> DiscoveryMetrics:
+    return DiscoveryMetrics(
+        events=Counter("kvgate_discovery_events",
+                       "Events read from the discovery source (kubernetes: ADDED, MODIFIED, DELETED, BOOKMARK; "
+                       "file: reload).", ["source", "event"], registry=registry),
+        changes=Counter("kvgate_discovery_changes",
+                        "Changes discovery made to the fleet (added, removed, replaced: a changed instance).",
+                        ["change"], registry=registry),
+        errors=Counter("kvgate_discovery_errors",
+                       "Discovery failures, by reason (api, config, file_unreadable, file_invalid, pod_invalid, "
+                       "instance_refused, instance_conflict); the last good fleet stays.",
+                       ["source", "reason"], registry=registry),
+        relists=Counter("kvgate_discovery_relists",
+                        "Full pod lists read from the API server, by reason (start, expired: 410 Gone, error: "
+                        "after a failure, pool_changed).", ["reason"], registry=registry),
+        instances=Gauge("kvgate_discovery_instances", "Instances in the fleet that discovery put there.",
+                        registry=registry, multiprocess_mode="livemax"),
+        source_up=Gauge("kvgate_discovery_source_up",
+                        "1 while the last read of the discovery source succeeded, 0 while it fails.",
+                        ["source"], registry=registry, multiprocess_mode="livemax"),
     )

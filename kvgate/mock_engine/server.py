@@ -23,10 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate.config.settings import Settings
 from kvgate.engine_model import EngineCore, EngineRequest, ServiceProfile
-from kvgate.gateway.chat_inputs import chat_template_inputs
+from kvgate.engine_model.store import StoreProfile
 from kvgate.gateway.errors import APIError, error_middleware
+from kvgate.gateway.planning.chat_inputs import chat_template_inputs
+from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.gateway.protocol import ParsedRequest, add_special_tokens, json_response
-from kvgate.gateway.tokenizer import TokenizerService
 from kvgate.mock_engine.block_keys import BlockKeyer
 from kvgate.mock_engine.engine_loop import EngineLoop, RequestStream
 from kvgate.mock_engine.generation import generated_token_ids, generated_words
@@ -38,6 +39,7 @@ from kvgate.mock_engine.openai_request import GenerationRequest, parse_generatio
 from kvgate.mock_engine.pd import Exchange, PDEngineRole, PDRole
 from kvgate.mock_engine.publication import BlockPublisher, PublicationQueue
 from kvgate.mock_engine.responses import SSE_DONE, ResponseShape, sse, usage
+from kvgate.mock_engine.store_segment import StoreSegment
 from kvgate.scheduler.key_formats import make_key_format
 
 DEFAULT_MODEL = "kvgate/mock-llm"
@@ -63,6 +65,9 @@ class MockEngineConfig:
     pd: PDRole | None = None
     # Publish the prefix cache's changes as vLLM's KV events (ZMQ); None: no events.
     kv_events: KVEventsOptions | None = None
+    # Blocks of the engine's own DRAM segment of the KV store behind HBM (store_segment.py); 0: none,
+    # the store index then lists exactly what HBM holds.
+    store_segment_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.profile.block_size != self.settings.kvs_chunk_size:
@@ -72,6 +77,8 @@ class MockEngineConfig:
             )
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
+        if self.store_segment_blocks < 0:
+            raise ValueError("store_segment_blocks must be >= 0")
         make_key_format(self.settings)  # raises ValueError naming a bad --kvs-key-format
 
     @property
@@ -98,8 +105,21 @@ class MockEngine:
         self._block_events: BlockEventTranslator | None = None
         if events is not None:
             self._block_events = BlockEventTranslator(config.profile.block_size, events.hash_format)
-        on_change = self._on_cache_change if self.publication is not None or events is not None else None
-        self.core = EngineCore(config.profile, on_cache_change=on_change)
+        self.segment: StoreSegment | None = None
+        if config.store_segment_blocks:
+            s = config.settings
+            self.segment = StoreSegment(
+                config.store_segment_blocks, config.profile.block_size,
+                StoreProfile(s.kv_bytes_per_token, s.kv_host_bandwidth_gb_s * 1e9, s.kv_network_bandwidth_gb_s * 1e9),
+                self.publication.on_cache_change if self.publication is not None else None,
+                self._on_loaded if events is not None else None,
+            )
+        segment = self.segment
+        watched = self.publication is not None or events is not None or segment is not None
+        on_change = self._on_cache_change if watched else None
+        self.core = EngineCore(config.profile, on_cache_change=on_change,
+                               store_loader=segment.load if segment else None,
+                               store_writer=segment.write_back if segment else None)
         # A step's events go out once it is over (vLLM publishes after the step ran), not when planned.
         self._step_events: list[KVEvent] = []
         self.loop = EngineLoop(self.core, config.time_scale,
@@ -144,11 +164,20 @@ class MockEngine:
     # --- the prefix cache's changes, to the store index and the KV events ---
 
     def _on_cache_change(self, added: list[str], evicted: list[str]) -> None:
-        """The core's callback, inside a step: the store index now, the events when the step ends."""
-        if self.publication is not None:
+        """The core's callback, inside a step: the store index now, the events when the step ends.
+        With a store segment, HBM's evictions stay in the segment and the index follows the segment."""
+        if self.segment is not None:
+            self.segment.computed(added)
+        elif self.publication is not None:
             self.publication.on_cache_change(added, evicted)
         if self._block_events is not None:
             self._step_events += self._block_events.changes(added, evicted)
+
+    def _on_loaded(self, keys: list[str]) -> None:
+        """Blocks the store segment loaded into HBM: stored blocks to the events, as vLLM reports
+        blocks a KV connector loaded."""
+        if self._block_events is not None:
+            self._step_events += self._block_events.changes(keys, [])
 
     def _flush_events(self) -> None:
         """Publish the finished step's events as one batch."""
@@ -203,7 +232,7 @@ class MockEngine:
         dropped = self.core.cache.clear()
         if dropped is None:
             return json_response({"success": False})
-        if self.publication is not None:
+        if self.publication is not None and self.segment is None:  # a segment keeps its blocks
             self.publication.on_cache_change([], dropped)
         if self._block_events is not None:
             self._publish_events(self._block_events.cleared())

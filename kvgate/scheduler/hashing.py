@@ -36,6 +36,33 @@ class BlockHash:
     full: bool
 
 
+@dataclass(frozen=True, slots=True)
+class BlockExtras:
+    """What vLLM mixes into a block's hash beside its tokens (its `extra_keys`), for the requests
+    that carry them: a LoRA adapter, ("lora", name, path), in every block; a cache salt,
+    ("cache_salt", salt), in the first. Only sha256_cbor has such a slot."""
+
+    lora: tuple[str, str] | None = None  # (adapter name, the path the engine loaded it from)
+    cache_salt: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.lora is not None or bool(self.cache_salt)
+
+    def keys(self, first_block: bool) -> list[list[str]] | None:
+        """The block's extra keys, in vLLM's order; None (CBOR null) when it has none."""
+        keys = [["lora", *self.lora]] if self.lora is not None else []
+        if first_block and self.cache_salt:
+            keys.append(["cache_salt", self.cache_salt])
+        return keys or None
+
+
+def _cbor_tails(extras: BlockExtras | None) -> tuple[bytes, bytes]:
+    """The encoded third item of the hashed triple: for the first block, and for every later one."""
+    if not extras:
+        return _CBOR_NULL, _CBOR_NULL
+    return (cbor2.dumps(extras.keys(True), canonical=True), cbor2.dumps(extras.keys(False), canonical=True))
+
+
 def _chunk_bounds(num_tokens: int, chunk_size: int, save_unfull_chunk: bool) -> Iterator[tuple[int, int]]:
     """(start, end) token index of each hashed chunk; the unfull tail only when it is saved."""
     whole = num_tokens - num_tokens % chunk_size
@@ -163,12 +190,13 @@ def _token_encoding(token: int) -> bytes:
 
 
 def _hash_small_sha256_cbor(
-    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool, seed: str
+    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool, seed: str, extras: BlockExtras | None
 ) -> list[BlockHash]:
     """hash_sha256_cbor for short prompts: each chunk's bytes are joined from cached per-token
     encodings, the same bytes cbor_uints makes. ValueError for an id outside 0..2**64-1."""
     full_list_head = cbor_head(4, chunk_size)
     parent = cbor_seed_hash(seed)
+    tail, later_tail = _cbor_tails(extras)
     out = []
     for start, end in _chunk_bounds(len(token_ids), chunk_size, save_unfull_chunk):
         full = end - start == chunk_size
@@ -176,25 +204,28 @@ def _hash_small_sha256_cbor(
         digest.update(parent)
         digest.update(full_list_head if full else cbor_head(4, end - start))
         digest.update(_joined_encodings(token_ids[start:end]))
-        digest.update(_CBOR_NULL)
+        digest.update(tail)
+        tail = later_tail
         parent = digest.digest()
         out.append(BlockHash(parent.hex(), end - start, full))
     return out
 
 
 def hash_sha256_cbor(
-    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0"
+    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool = False, seed: str = "0",
+    extras: BlockExtras | None = None,
 ) -> list[BlockHash]:
     if len(token_ids) <= _SMALL_PROMPT_TOKENS:
         try:
-            return _hash_small_sha256_cbor(token_ids, chunk_size, save_unfull_chunk, seed)
+            return _hash_small_sha256_cbor(token_ids, chunk_size, save_unfull_chunk, seed, extras)
         except ValueError:  # an id outside 0..2**64-1: cbor2 encodes any integer
-            return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed)
+            return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed, extras)
     tokens = _uint64_array(token_ids)
     if tokens is None:
-        return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed)
+        return hash_sha256_cbor_with_cbor2(token_ids, chunk_size, save_unfull_chunk, seed, extras)
     full_list_head = cbor_head(4, chunk_size)
     parent = cbor_seed_hash(seed)
+    tail, later_tail = _cbor_tails(extras)
     out = []
     for group in _chunk_groups(_chunk_bounds(len(tokens), chunk_size, save_unfull_chunk), chunk_size):
         first = group[0][0]
@@ -208,7 +239,8 @@ def hash_sha256_cbor(
             digest.update(parent)
             digest.update(full_list_head if full else cbor_head(4, end - start))
             digest.update(view[byte_start:byte_end])
-            digest.update(_CBOR_NULL)
+            digest.update(tail)
+            tail = later_tail
             parent = digest.digest()
             out.append(BlockHash(parent.hex(), end - start, full))
             byte_start = byte_end
@@ -229,14 +261,16 @@ def _chunk_groups(bounds: Iterator[tuple[int, int]], chunk_size: int) -> Iterato
 
 
 def hash_sha256_cbor_with_cbor2(
-    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool, seed: str
+    token_ids: Sequence[int], chunk_size: int, save_unfull_chunk: bool, seed: str,
+    extras: BlockExtras | None = None,
 ) -> list[BlockHash]:
     """The plain definition, cbor2 encoding every chunk: the fallback for ids the fast encoder does
     not cover (negative or >= 2**64), and the benchmark's baseline."""
     parent = cbor_seed_hash(seed)
+    extras = extras or BlockExtras()
     out = []
     for start, end in _chunk_bounds(len(token_ids), chunk_size, save_unfull_chunk):
-        parent = _cbor_sha256([parent, list(token_ids[start:end]), None])
+        parent = _cbor_sha256([parent, list(token_ids[start:end]), extras.keys(start == 0)])
         out.append(BlockHash(parent.hex(), end - start, end - start == chunk_size))
     return out
 
@@ -296,8 +330,19 @@ def hash_blocks(
     chunk_size: int,
     save_unfull_chunk: bool = False,
     seed: str = "0",
+    extras: BlockExtras | None = None,
 ) -> list[BlockHash]:
-    """Chained block hashes of `token_ids`, one per chunk (the unfull last one only when saved)."""
+    """Chained block hashes of `token_ids`, one per chunk (the unfull last one only when saved).
+    `extras` only with sha256_cbor (extras_hashable)."""
     if chunk_size < 1:
         raise ValueError("chunk_size must be at least 1")
+    if extras:
+        if not extras_hashable(algo):
+            raise ValueError(f"{algo} block hashes carry no LoRA adapter or cache salt")
+        return hash_sha256_cbor(token_ids, chunk_size, save_unfull_chunk, seed, extras)
     return _ALGORITHMS[HashAlgo(algo)](token_ids, chunk_size, save_unfull_chunk, seed)
+
+
+def extras_hashable(algo: HashAlgo | str) -> bool:
+    """Whether the algorithm's block hashes can mix in BlockExtras (vLLM's sha256_cbor can)."""
+    return HashAlgo(algo) == HashAlgo.SHA256_CBOR

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 
 from kvgate.config.settings import EarlyRejection
-from kvgate.scheduler.ttft import TTFTModel, TTFTPrediction
-from kvgate.scheduler.types import InstanceLoad
+from kvgate.scheduler.ttft import TTFTModel
+from kvgate.scheduler.types import InstanceLoad, TTFTPrediction
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,15 +11,15 @@ from functools import partial
 
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.scheduler.decode import DecodeChooser, PDDecision
-from kvgate.scheduler.hashing import BlockHash, hash_blocks
+from kvgate.scheduler.hashing import BlockExtras, BlockHash, extras_hashable, hash_blocks
 from kvgate.scheduler.key_formats import make_key_format
 from kvgate.scheduler.prefix import endpoint_map, prefix_hit_tokens
 from kvgate.scheduler.prfaas import ClusterDecision, PrfaasRouter, cluster_view
 from kvgate.scheduler.registry import make_policy
 from kvgate.scheduler.rejection import Rejection, RejectionFilter
 from kvgate.scheduler.tiers import EngineHits, TieredHits, local_hit_tokens, tiered_hits
-from kvgate.scheduler.ttft import Predictions, TTFTModel, TTFTPrediction, TTFTProfile
-from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest
+from kvgate.scheduler.ttft import Predictions, TTFTModel, TTFTProfile
+from kvgate.scheduler.types import Candidate, Decision, InstanceLoad, RoutingRequest, TTFTPrediction
 
 
 class Scheduler:
@@ -38,11 +38,16 @@ class Scheduler:
         # Which cluster prefills each disaggregated request, when a PrfaaS cluster is configured.
         self.prfaas = PrfaasRouter(settings) if settings.prfaas_cluster else None
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+    def block_hashes(self, token_ids: Sequence[int], extras: BlockExtras | None = None) -> list[BlockHash]:
         s = self._settings
         return hash_blocks(
-            s.kvs_hash_algo, token_ids, s.kvs_chunk_size, s.kvs_enable_save_unfull_chunk, s.hash_seed
+            s.kvs_hash_algo, token_ids, s.kvs_chunk_size, s.kvs_enable_save_unfull_chunk, s.hash_seed, extras
         )
+
+    @property
+    def extras_hashable(self) -> bool:
+        """Whether block keys can mix in a LoRA adapter or a cache salt, as the engines' do."""
+        return extras_hashable(self._settings.kvs_hash_algo)
 
     def block_keys(self, blocks: Sequence[BlockHash]) -> list[str]:
         return self._key_format.keys(blocks)

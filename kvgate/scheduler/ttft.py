@@ -29,7 +29,7 @@ from kvgate.config.settings import Settings
 from kvgate.scheduler.calibration import Calibration
 from kvgate.scheduler.prefill_curve import PrefillCurve
 from kvgate.scheduler.tiers import TieredHits
-from kvgate.scheduler.types import Candidate
+from kvgate.scheduler.types import Candidate, TTFTPrediction
 
 _GB = 1e9
 # Weight of one request in the running means of prompt and output lengths.
@@ -78,22 +78,6 @@ class TTFTProfile:
         if with_prefill_chunk:
             step += self.prefill.chunk_s(int(mean_context_tokens / 2), self.prefill_chunk_tokens)
         return step
-
-
-@dataclass(frozen=True, slots=True)
-class TTFTPrediction:
-    """One instance's predicted TTFT and its terms (calibrated: they sum to predicted_ttft_s)."""
-
-    instance_id: str
-    predicted_ttft_s: float
-    queue_s: float
-    prefill_s: float
-    transfer_s: float
-    transfer_tokens: int  # loaded from other segments, disk tiers or its own engine's CPU tier
-    local_hit_tokens: int
-    # Before calibration, for the calibration.
-    raw_compute_s: float  # queue + prefill
-    raw_transfer_s: float
 
 
 class TTFTModel:

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvgate.config.settings import InstanceRole
-
-if TYPE_CHECKING:
-    from kvgate.scheduler.ttft import TTFTPrediction
 
 
 @dataclass(slots=True)
@@ -78,3 +74,19 @@ class Decision:
     cache_aware: bool
     # Predicted TTFT per candidate id (ttft.Predictions, computed when read).
     predictions: Mapping[str, TTFTPrediction] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTPrediction:
+    """One instance's predicted TTFT and its terms (calibrated: they sum to predicted_ttft_s)."""
+
+    instance_id: str
+    predicted_ttft_s: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    transfer_tokens: int  # loaded from other segments, disk tiers or its own engine's CPU tier
+    local_hit_tokens: int
+    # Before calibration, for the calibration.
+    raw_compute_s: float  # queue + prefill
+    raw_transfer_s: float

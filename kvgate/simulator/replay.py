@@ -56,8 +56,7 @@ from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.hashing import BlockHash
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.tiers import EngineHits, EnginePrefix
-from kvgate.scheduler.ttft import TTFTPrediction
-from kvgate.scheduler.types import Candidate, EngineStats
+from kvgate.scheduler.types import Candidate, EngineStats, TTFTPrediction
 from kvgate.simulator.kv_events_view import KVEventsView
 from kvgate.simulator.profile import STORE_MODELS, hbm_blocks
 from kvgate.simulator.replicas import GatewayReplicas

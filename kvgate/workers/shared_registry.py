@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvgate.config.settings import InstanceConfig
-from kvgate.gateway.registry import InstanceRegistry, InstanceState, RegistryError, RegistryFull
+from kvgate.gateway.fleet.registry import (
+    InstanceRegistry,
+    InstanceState,
+    LoraAdapter,
+    RegistryError,
+    RegistryFull,
+)
 from kvgate.workers.shared_table import DRAINING, EJECTED, SharedTable, TableFull
 
 
@@ -51,6 +57,10 @@ class SharedRegistry(InstanceRegistry):
     def routable(self, model: str) -> list[InstanceState]:
         self._sync()
         return super().routable(model)
+
+    def lora_adapter(self, model: str) -> LoraAdapter | None:
+        self._sync()
+        return super().lora_adapter(model)
 
     # --- changes: the table under its lock ---
 

@@ -11,10 +11,12 @@ from multiprocessing.synchronize import Event
 from aiohttp import web
 
 from kvgate.config.settings import Settings
+from kvgate.gateway.fleet.registry import InstanceRegistry
 from kvgate.processes import die_with
 from kvgate.workers.shared_registry import SharedRegistry
 from kvgate.workers.shared_rows import SharedRows
 from kvgate.workers.shared_table import SharedTable
+from kvgate.workers.whole_metrics import whole_gateway_metrics
 
 WORKER_HEADER = "X-Kvgate-Worker"
 
@@ -49,8 +51,15 @@ class WorkerShare:
         """The one worker that runs health checks, engine-stats scraping and the account sync."""
         return self.rows.leader
 
+    @property
+    def events_index_path(self) -> str:
+        return self.spec.events_index_path
+
     def registry(self, on_change) -> SharedRegistry:
         return SharedRegistry(self.table, on_change)
+
+    def whole_metrics(self, registry: InstanceRegistry) -> bytes:
+        return whole_gateway_metrics(self.spec.metrics_dir, self.rows, registry)
 
     async def tag_response(self, _request: web.Request, response: web.StreamResponse) -> None:
         """Every answer names the worker that gave it ("<index>:<pid>"), for operators and tests."""
@@ -63,11 +72,11 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s worker-{spec.index} %(name)s: %(message)s")
     _read_pid_once_for_metrics()
-    from kvgate.gateway.server import run_gateway
-    from kvgate.gateway.tokenizer import load_tokenizer
+    from kvgate.gateway.http.server import run_gateway
+    from kvgate.gateway.planning.tokenizer import load_tokenizer
 
     if settings.access_log:
-        from kvgate.gateway.access_log import configure_logger
+        from kvgate.gateway.http.access_log import configure_logger
 
         configure_logger()
     tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)

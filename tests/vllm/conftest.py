@@ -15,7 +15,7 @@ import pytest
 from kvgate.config.engines import engines_home
 from kvgate.engines.install import INSTALL_COMMAND, VLLM_VERSION, EngineVenv, vllm_venv
 from kvgate.engines.model import tiny_model
-from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 
 REQUIRE_ENV = "KVGATE_TEST_REQUIRE_VLLM"
 

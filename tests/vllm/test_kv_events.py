@@ -1,7 +1,7 @@
 """kvgate's keys and its events index against the KV events of two real vLLM engines.
 
-e0 publishes int block hashes (vLLM's default), e1 the 32-byte digests
-(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Both have a 24-block KV cache, so a test can evict.
+e0 publishes int block hashes (vLLM's default) and serves a LoRA adapter, e1 publishes the 32-byte
+digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0). Both have a 24-block KV cache, so a test can evict.
 The last test restarts e0.
 """
 
@@ -15,6 +15,7 @@ import sys
 import time
 
 import aiohttp
+import openai
 import pytest
 import yaml
 import zmq
@@ -24,21 +25,23 @@ from kvgate.commands.doctor import diagnose
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TOOLS
 from kvgate.doctor.results import CheckResult
+from kvgate.engines.model import TINY_LORA_NAME, tiny_lora_dir
 from kvgate.engines.vllm import VLLMEngine
-from kvgate.gateway.server import start_gateway
-from kvgate.gateway.tokenizer import TokenizerService, load_tokenizer
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 from kvgate.kvs_client.events.base import BlocksStored
 from kvgate.kvs_client.events.keys import key_of
 from kvgate.kvs_client.events.vllm import VllmDecoder
-from tests.gateway_helpers import assert_nothing_in_flight
-from tests.vllm.fleet import KV_BLOCKS, MODEL, module_fleet
+from tests.gateway_helpers import assert_nothing_in_flight, wait_until
+from tests.vllm.fleet import KV_BLOCKS, MODEL, engine_sample, module_fleet
 
 BLOCK = 256
 
 
 @pytest.fixture(scope="module")
 def engines(engine_venv, model_dir, tmp_path_factory):
-    specs = [{"kv_events_int_hashes": True}, {"kv_events_int_hashes": False}]
+    specs = [{"kv_events_int_hashes": True, "lora_adapters": {TINY_LORA_NAME: tiny_lora_dir(model_dir)}},
+             {"kv_events_int_hashes": False}]
     with module_fleet(engine_venv, model_dir, tmp_path_factory.mktemp("vllm-events"), specs) as fleet:
         yield fleet
 
@@ -53,7 +56,8 @@ def settings_for(engines, **overrides) -> Settings:
         "stats_poll_interval_s": 60.0,
         "instances": [
             InstanceConfig(id=f"e{i}", url=e.url, model=MODEL, kv_events_endpoint=e.spec.kv_events_endpoint,
-                           kv_events_replay_endpoint=e.spec.kv_events_replay_endpoint)
+                           kv_events_replay_endpoint=e.spec.kv_events_replay_endpoint,
+                           lora_adapters={name: str(path) for name, path in e.spec.lora_adapters.items()})
             for i, e in enumerate(engines)
         ],
     }
@@ -164,6 +168,36 @@ async def test_block_keys_equal_the_engines_block_hashes(engines, gateway, index
         tap.close()
 
 
+async def test_a_lora_adapters_keys_and_hits_equal_the_engines(engines, gateway):
+    """vLLM mixes ("lora", name, path) into every block's hash, and a cache salt into the first: the
+    gateway's keys for such requests are the engine's, and its predicted hits the engine's cached tokens."""
+    engine = engines[0]
+    prompt = fresh_ids(300, 3 * BLOCK + 11)
+    bodies = [{"model": TINY_LORA_NAME, "prompt": prompt, "max_tokens": 1},
+              {"model": TINY_LORA_NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"},
+              {"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}]
+    tap = EventTap(engine)
+    try:
+        await tap.settle()
+        for body in bodies:
+            plan = await post(gateway.url, "/debug/schedule", body)
+            ours = engine_keys(plan)
+            assert [entry["id"] for entry in plan["instances"]] == (["e0"] if body["model"] != MODEL else ["e0", "e1"])
+            await post(engine.url, "/v1/completions", body)
+            stored = await tap.stored_until(ours)
+            assert [key_of(h) for h in stored[: len(ours)]] == ours, body
+    finally:
+        tap.close()
+    # Through the gateway: each request finds exactly what the engine reports cached, and no other's blocks.
+    for body in [*bodies, {"model": TINY_LORA_NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-b"}]:
+        plan = by_id(await post(gateway.url, "/debug/schedule", body))
+        answer = await post(gateway.url, "/v1/completions", body)
+        reported = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        assert reported == plan["e0"]["prefix_hit_tokens"], (body, answer["usage"])
+        assert reported == (0 if body.get("cache_salt") == "tenant-b" else 3 * BLOCK), body
+    await assert_nothing_in_flight(gateway)
+
+
 async def test_a_served_prompt_shows_as_a_hit_on_its_engine_only(engines, gateway):
     prompt = fresh_ids(20, 4 * BLOCK + 30)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
@@ -240,9 +274,11 @@ async def test_doctor_names_a_hashing_mismatch(engines, tokenizer_service, overr
 async def test_doctor_names_a_tokenizer_or_template_mismatch(engines, model_dir, tmp_path):
     other = tmp_path / "tokenizer"
     other.mkdir()
-    shutil.copy(model_dir / "tokenizer.json", other / "tokenizer.json")
-    config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    (other / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    # Another tokenizer: one that lowercases (the probe text has capitals), with another chat template.
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Lowercase"}
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(model_dir / "tokenizer_config.json", other / "tokenizer_config.json")
     (other / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
                                                "{% endfor %}")
     failed = {r.check: r for r in (await _doctor(engines, TokenizerService(load_tokenizer(str(other))))).values()
@@ -301,3 +337,34 @@ async def _gateway_metrics(url: str) -> dict[str, float]:
 
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
         return parse_metric_sums(await response.text())
+
+
+async def test_the_endpoint_picker_behind_envoy_routes_on_the_engines_events(engines, engine_tokenizer, tmp_path):
+    """`kvgate epp` behind a real Envoy, in front of the real engines: a prompt one engine holds lands
+    on it through Envoy, a stream arrives whole, its usage closes the loop, and the account is at zero."""
+    pytest.importorskip("grpc", reason="the endpoint picker needs its extra: pip install 'kvgate[epp]'")
+    from kvgate.gateway.ext_proc.server import start_picker
+    from tests.envoy_proxy import envoy_binary, running_envoy
+
+    envoy_binary()
+    picker = await start_picker(settings_for(engines, epp_http_port=0), tokenizer=engine_tokenizer)
+    try:
+        await _until_following(picker.http_url, engines)
+        async with running_envoy(picker.grpc_address, tmp_path) as envoy:
+            api = openai.AsyncOpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            prompt = fresh_ids(400, 4 * BLOCK + 21)
+            await post(engines[1].url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+            await _wait_hit(picker.http_url, {"model": MODEL, "prompt": prompt, "max_tokens": 1}, "e1", 4 * BLOCK)
+            before = await engine_sample(engines[1], "vllm:prefix_cache_hits_total")
+            stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True,
+                                                  stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
+            assert sum(len(c.choices[0].text) for c in chunks if c.choices) > 0
+            # The engine that held the prefix answered: its own counter moved by the whole hit.
+            assert await engine_sample(engines[1], "vllm:prefix_cache_hits_total") - before == 4 * BLOCK
+            metrics = await _gateway_metrics(picker.http_url)
+            assert metrics["kvgate_predicted_cached_tokens_total"] == metrics["kvgate_reported_cached_tokens_total"]
+            await wait_until(lambda: picker.gateway.account.total_inflight() == 0)
+    finally:
+        await picker.close()

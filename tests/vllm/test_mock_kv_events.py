@@ -19,7 +19,7 @@ from kvgate.mock_engine.kv_events import KVEventsOptions
 from kvgate.mock_engine.server import start_mock_engine
 from kvgate.processes import free_port
 from tests.kv_events_client import complete, replay
-from tests.test_mock_engine_kv_events import BLOCK, _config, _prompt, _vllm_hashes
+from tests.mock_engine.test_mock_engine_kv_events import BLOCK, _config, _prompt, _vllm_hashes
 
 # Run by vLLM's interpreter: decode each payload, print what vLLM's classes saw.
 _DECODE = r"""

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from kvgate.config.settings import InstanceConfig, Settings
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import assert_nothing_in_flight, wait_until
 from tests.vllm.fleet import MODEL, engine_sample, module_fleet, wait_engine_idle

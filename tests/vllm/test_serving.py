@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
+from collections.abc import Iterator
 
 import aiohttp
 import openai
@@ -16,18 +18,34 @@ import pytest
 
 from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.doctor.probes import PROBE_CHAT, PROBE_TEXT, PROBE_TOOLS
-from kvgate.gateway.chat_inputs import chat_template_inputs
-from kvgate.gateway.server import start_gateway
+from kvgate.gateway.http.server import start_gateway
+from kvgate.gateway.planning.chat_inputs import chat_template_inputs
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import assert_nothing_in_flight, wait_until
+from tests.otlp_receiver import OTLPReceiver
 from tests.vllm.fleet import MODEL, engine_load, module_fleet, wait_engine_idle
 
 MAX_MODEL_LEN = 4096
 
 
 @pytest.fixture(scope="module")
-def engines(engine_venv, model_dir, tmp_path_factory):
-    specs = [{"max_model_len": MAX_MODEL_LEN}, {"max_model_len": MAX_MODEL_LEN}]
+def trace_receiver() -> Iterator[OTLPReceiver]:
+    """An OTLP receiver the engines export their spans to from their start: a module's fixture, so
+    it runs on an event loop of its own, in a thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="otlp receiver", daemon=True)
+    thread.start()
+    receiver = asyncio.run_coroutine_threadsafe(OTLPReceiver().start(grpc_too=False), loop).result(30)
+    yield receiver
+    asyncio.run_coroutine_threadsafe(receiver.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engines(engine_venv, model_dir, tmp_path_factory, trace_receiver):
+    specs = [{"max_model_len": MAX_MODEL_LEN, "otlp_traces_endpoint": trace_receiver.http_endpoint}
+             for _ in range(2)]
     with module_fleet(engine_venv, model_dir, tmp_path_factory.mktemp("vllm-serving"), specs) as fleet:
         yield fleet
 
@@ -150,6 +168,23 @@ async def test_prompt_over_the_engines_context_is_one_openai_400(engines, gatewa
         assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded", error
         assert str(MAX_MODEL_LEN) in error["message"]
     await assert_nothing_in_flight(gateway)
+
+
+async def test_the_engines_span_joins_the_gateways_trace(engines, engine_tokenizer, trace_receiver):
+    """kvgate passes its forward span's traceparent to the engine: vLLM's own request span is that
+    span's child, in the same trace, in the same receiver."""
+    gateway = await start_gateway(settings_for(engines, otlp_traces_endpoint=trace_receiver.http_endpoint),
+                                  tokenizer=engine_tokenizer)
+    try:
+        await client(gateway.url).completions.create(model=MODEL, prompt="a traced request", max_tokens=4)
+    finally:
+        await gateway.close()  # flushes kvgate's spans
+    forward = [s for s in trace_receiver.spans if s.service == "kvgate" and s.name == "kvgate.forward"]
+    assert len(forward) == 1, [s.name for s in trace_receiver.spans]
+    await wait_until(lambda: any(s.trace_id == forward[0].trace_id for s in trace_receiver.spans
+                                 if s.service == "vllm"), timeout_s=30.0)  # vLLM exports in batches
+    [engine_span] = [s for s in trace_receiver.spans if s.service == "vllm" and s.trace_id == forward[0].trace_id]
+    assert engine_span.parent_span_id == forward[0].span_id, engine_span
 
 
 async def test_engine_killed_before_the_first_byte_is_retried_elsewhere(engines, gateway):

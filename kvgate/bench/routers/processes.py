@@ -20,9 +20,14 @@ from kvgate.bench.routers.targets import (
     KVGATE,
     MODEL,
     OVERHEAD_CACHE_AWARE_MIN_TOKENS,
+    VLLM_MAX_MODEL_LEN,
     RoutersConfig,
     Target,
 )
+from kvgate.config.engines import engines_home
+from kvgate.engines.install import vllm_venv
+from kvgate.engines.model import tiny_model
+from kvgate.engines.vllm import VLLMEngine, VLLMEngineSpec, fleet_specs, vllm_fleet
 from kvgate.processes import LocalProcess, free_port
 
 _START_TIMEOUT_S = 90.0
@@ -63,11 +68,50 @@ class RouterProcess:
 @dataclass(frozen=True)
 class Engine:
     url: str
-    kvs_endpoint: str  # the endpoint it claims its blocks under in Redis
+    kvs_endpoint: str  # the endpoint it claims its blocks under in Redis ("" : it publishes to no store)
+    kv_events_endpoint: str = ""  # where a subscriber connects for its KV events ("": it publishes none)
+    kv_events_replay_endpoint: str = ""
+    max_model_len: int | None = None  # real engines: their --max-model-len
+
+
+@dataclass(frozen=True)
+class RealFleet:
+    """Real vLLM engines, started once for every target, and what kvgate must share with them."""
+
+    engines: list[Engine]
+    handles: list[VLLMEngine]
+    gateway_settings: dict  # tokenizer, block size and hash seed: kvgate hashes as the engines do
+
+    def reset(self) -> None:
+        """A cold start for the next target: every engine's prefix cache emptied."""
+        for handle in self.handles:
+            handle.reset_prefix_cache()
+
+
+def vllm_fleet_specs(config: RoutersConfig, model_dir: Path) -> list[VLLMEngineSpec]:
+    return fleet_specs(model_dir, config.model, config.engines, config.cache_capacity_blocks, VLLM_MAX_MODEL_LEN)
+
+
+@contextlib.contextmanager
+def vllm_engines(config: RoutersConfig, log_dir: Path) -> Iterator[RealFleet]:
+    """`config.engines` real vLLM engines serving the tiny model, publishing KV events (no store).
+
+    Raises EnginesMissing (with the install command) when the engines' virtualenv is not there.
+    """
+    home = engines_home()
+    venv = vllm_venv(home)
+    model_dir = tiny_model(venv, home)
+    with vllm_fleet(vllm_fleet_specs(config, model_dir), venv, log_dir) as handles:
+        spec = handles[0].spec
+        engines = [Engine(h.url, "", h.spec.kv_events_endpoint, h.spec.kv_events_replay_endpoint,
+                          h.spec.max_model_len) for h in handles]
+        yield RealFleet(engines, handles, {"tokenizer": str(model_dir), "kvs_chunk_size": spec.block_size,
+                                           "hash_seed": spec.hash_seed})
 
 
 @contextlib.contextmanager
 def mock_engines(config: RoutersConfig, redis_url: str, log_dir: Path) -> Iterator[list[Engine]]:
+    """Fresh mock engines: a cache, a store segment behind it in Redis's index, KV events."""
     engines, specs = [], []
     for i in range(config.engines):
         port = free_port()
@@ -76,9 +120,15 @@ def mock_engines(config: RoutersConfig, redis_url: str, log_dir: Path) -> Iterat
                            "--kvs-backend", "redis", "--kvs-redis-url", redis_url, "--kvs-local-ip", endpoint)
         if config.tokenizer:
             argv += ["--tokenizer", config.tokenizer]
-        argv += ["--cache-capacity-blocks", str(config.cache_capacity_blocks)]
+        argv += ["--cache-capacity-blocks", str(config.cache_capacity_blocks),
+                 "--store-segment-blocks", str(config.store_segment_blocks)]
+        # Every engine publishes its KV events as vLLM does (bound on every interface, reached on
+        # loopback), whether or not the target reads them: the engines' work is the same for all.
+        events_port, replay_port = free_port(), free_port()
+        argv += ["--kv-events-endpoint", f"tcp://*:{events_port}",
+                 "--kv-events-replay-endpoint", f"tcp://*:{replay_port}"]
         url = f"http://127.0.0.1:{port}"
-        engines.append(Engine(url, endpoint))
+        engines.append(Engine(url, endpoint, f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"))
         specs.append((argv, log_dir / f"engine-{i}-{port}.log", url, f"mock engine {i}"))
     with _processes(specs):
         yield engines
@@ -98,25 +148,38 @@ def instant_backends(count: int, log_dir: Path) -> Iterator[list[Engine]]:
 
 
 def kvgate_config(policy: str, port: int, engines: Sequence[Engine], redis_url: str, tokenizer: str,
-                  workers: int = 1, cache_aware_min_tokens: int | None = None) -> dict:
-    """The gateway's YAML settings: the engines as instances, their Redis endpoints as kvs_endpoints."""
+                  workers: int = 1, cache_aware_min_tokens: int | None = None, view: str = "store",
+                  model: str = MODEL, matching: dict | None = None) -> dict:
+    """The gateway's YAML settings: the engines as instances, with their Redis endpoints as
+    kvs_endpoints when the view reads the store, their KV events endpoints when it reads events;
+    `matching`: settings that must match the engines (real engines: RealFleet.gateway_settings)."""
+    store, events = view in ("store", "both"), view in ("events", "both")
+    instances = []
+    for i, e in enumerate(engines):
+        instance: dict = {"id": f"engine-{i}", "url": e.url, "model": model}
+        if store and e.kvs_endpoint:
+            instance["kvs_endpoints"] = [e.kvs_endpoint]
+        if events and e.kv_events_endpoint:
+            instance["kv_events_endpoint"] = e.kv_events_endpoint
+            instance["kv_events_replay_endpoint"] = e.kv_events_replay_endpoint
+        if e.max_model_len:
+            instance["max_model_len"] = e.max_model_len
+        instances.append(instance)
     config: dict = {
         "host": "127.0.0.1",
         "port": port,
         "workers": workers,
         "dispatch_policy": policy,
-        "kvs_backend": "redis",
-        "kvs_redis_url": redis_url,
-        "instances": [
-            {"id": f"engine-{i}", "url": e.url, "model": MODEL,
-             "kvs_endpoints": [e.kvs_endpoint] if e.kvs_endpoint else []}
-            for i, e in enumerate(engines)
-        ],
+        "kvs_backend": "redis" if store else "kv_events",
+        "instances": instances,
     }
+    if store:
+        config["kvs_redis_url"] = redis_url
     if tokenizer:
         config["tokenizer"] = tokenizer
     if cache_aware_min_tokens is not None:
         config["cache_aware_scheduling_min_tokens"] = cache_aware_min_tokens
+    config.update(matching or {})
     return config
 
 
@@ -148,18 +211,20 @@ def pinned(cpus: set[int] | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def router(target: Target, engines: Sequence[Engine], env: peers.PeerEnvironment, redis_url: str,
-           tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None) -> Iterator[RouterProcess]:
+           tokenizer: str, log_dir: Path, phase: str, cpus: set[int] | None = None,
+           model: str = MODEL, matching: dict | None = None) -> Iterator[RouterProcess]:
     """The target in front of `engines`, on `cpus` if given."""
     if target.router == DIRECT:
         yield RouterProcess(engines[0].url, None)
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    slug = f"{target.router}-{target.policy}-w{target.workers}-{phase}"
+    slug = f"{target.router}-{target.policy}-{target.view}-w{target.workers}-{phase}"
     if target.router == KVGATE:
         config_path = log_dir / f"{slug}.yaml"
         min_tokens = OVERHEAD_CACHE_AWARE_MIN_TOKENS if phase == "overhead" else None
-        config = kvgate_config(target.policy, port, engines, redis_url, tokenizer, target.workers, min_tokens)
+        config = kvgate_config(target.policy, port, engines, redis_url, tokenizer, target.workers, min_tokens,
+                               target.view, model, matching)
         config_path.write_text(yaml.safe_dump(config))
         argv = _kvgate_cli("serve", "--config", str(config_path), "--log-level", "WARNING")
     else:

@@ -29,7 +29,9 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
 def table_rows(results: Sequence[TargetResult], concurrency: Sequence[int]) -> tuple[list[str], list[list[str]]]:
     baseline = _direct(results)
     top = max(concurrency)
-    headers = ["target", "hit ratio", "TTFT mean ms", "TTFT P90 ms", "load skew", "errors"]
+    # hit ratio: cached_tokens in the answers; engines' hits: their own counters; ideal: the slice's bound.
+    headers = ["target", "hit ratio", "engines' hits", "ideal", "TTFT P50 ms", "TTFT P90 ms", "TTFT mean ms",
+               "load skew", "errors"]
     for c in concurrency:
         headers += [f"+p50 c{c} ms", f"+p99 c{c} ms"]
     headers += [f"req/s c{top}", "note"]
@@ -40,8 +42,11 @@ def table_rows(results: Sequence[TargetResult], concurrency: Sequence[int]) -> t
         row = [
             r.target.label,
             _fmt(replay.hit_ratio if replay else None, "{:.1%}"),
-            _fmt(replay.ttft.mean * 1000 if replay and replay.ttft else None, "{:.0f}"),
+            _fmt(r.engine_hit_ratio, "{:.1%}"),
+            _fmt(r.ideal_hit_ratio, "{:.1%}"),
+            _fmt(replay.ttft.p50 * 1000 if replay and replay.ttft else None, "{:.0f}"),
             _fmt(replay.ttft.p90 * 1000 if replay and replay.ttft else None, "{:.0f}"),
+            _fmt(replay.ttft.mean * 1000 if replay and replay.ttft else None, "{:.0f}"),
             _fmt(r.load_skew),
             "-" if errors is None else str(errors),
         ]
@@ -54,6 +59,10 @@ def table_rows(results: Sequence[TargetResult], concurrency: Sequence[int]) -> t
         loop = r.overhead.get(top)
         row.append(_fmt(loop.requests_per_s if loop else None, "{:,.0f}"))
         notes = [r.reason] if r.status != "ok" else (["absolute latency (baseline)"] if r is baseline else [])
+        if r.view_agreement is not None:
+            c = r.hit_comparisons
+            notes.append(f"view agreed with the engine on {r.view_agreement:.0%} (engine higher "
+                         f"{c.get('engine_higher', 0)}, view higher {c.get('gateway_higher', 0)})")
         if "tokenize" in r.gateway_stage_ms:
             notes.append(f"tokenize stage {r.gateway_stage_ms['tokenize']:.0f} ms/req")
         notes += r.notes
@@ -79,7 +88,9 @@ def results_json(config: RoutersConfig, results: Sequence[TargetResult]) -> dict
         out.append({"target": r.target.label, "status": r.status, "reason": r.reason,
                     "replay": r.replay.to_dict() if r.replay else None,
                     "engine_prompt_tokens": list(r.engine_prompt_tokens), "load_skew": r.load_skew,
-                    "gateway_stage_ms": r.gateway_stage_ms, "notes": r.notes, "load_average": r.load_average,
+                    "engine_hit_ratio": r.engine_hit_ratio, "ideal_hit_ratio": r.ideal_hit_ratio,
+                    "gateway_stage_ms": r.gateway_stage_ms, "hit_comparisons": r.hit_comparisons,
+                    "notes": r.notes, "load_average": r.load_average,
                     "overhead": overhead})
     settings = {k: v for k, v in asdict(config).items() if k not in ("targets", "venv_dir", "log_dir")}
     return {"config": settings, "results": out}
@@ -95,13 +106,14 @@ def plot(results: Sequence[TargetResult], concurrency: Sequence[int], path: Path
     # One colour per router, one line style per policy.
     colours = {KVGATE: "tab:blue", "sglang-router": "tab:green", "vllm-router": "tab:purple", DIRECT: "grey"}
     styles = {"cache_aware": "-", "round_robin": "--", "prefix": "-.", "least_load": ":"}
+    widths = {"store": 1.6, "events": 2.2, "both": 2.8}  # kvgate's cache views, thinnest to thickest
     fig, (cdf, bars, rates) = plt.subplots(1, 3, figsize=(17, 5.2))
     for r in results:
         if r.ttfts_s:
             xs = sorted(t * 1000 for t in r.ttfts_s)
             cdf.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r.target.label,
                      color=colours.get(r.target.router), linestyle=styles.get(r.target.policy, "-"),
-                     linewidth=2.2 if r.target.router == KVGATE else 1.4)
+                     linewidth=widths[r.target.view] if r.target.router == KVGATE else 1.4)
     cdf.set_xscale("log")
     cdf.set_xlabel("TTFT (ms, log scale)")
     cdf.set_ylabel("fraction of requests")

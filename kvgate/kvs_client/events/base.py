@@ -42,8 +42,8 @@ class BlocksStored:
     parent: int | None
     medium: Medium
     block_size: int
-    # Blocks whose hash covers more than their tokens (a LoRA adapter, a cache salt, images): kvgate
-    # cannot compute such hashes from a prompt, so they never match one; counted, still indexed.
+    # Blocks whose hash covers more than tokens, a LoRA adapter and a cache salt (images, prompt
+    # embeddings): kvgate cannot compute such hashes from a prompt, so they never match one; counted.
     keyed_beyond_tokens: bool = False
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvgate.scheduler.hashing import BlockHash, hash_sha256_cbor
+from kvgate.scheduler.hashing import BlockExtras, BlockHash, hash_sha256_cbor
 
 MASK64 = (1 << 64) - 1
 # The index marks free slots with 0, so a block whose key is 0 is stored under this one instead
@@ -44,12 +44,15 @@ def prompt_keys(blocks: Sequence[BlockHash]) -> np.ndarray:
 
 
 def engine_block_hashes(
-    token_ids: Sequence[int], block_size: int, seed: str = "0", as_bytes: bool = False
+    token_ids: Sequence[int], block_size: int, seed: str = "0", as_bytes: bool = False,
+    extras: BlockExtras | None = None,
 ) -> list[int] | list[bytes]:
     """What a vLLM engine (sha256_cbor, PYTHONHASHSEED=`seed`, `--block-size block_size`) publishes
-    in BlockStored.block_hashes for these prompt tokens, block by block: the low 64 bits of each
-    digest as an int, or with `as_bytes` (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) the 32-byte digest."""
-    digests = [bytes.fromhex(block.value) for block in hash_sha256_cbor(token_ids, block_size, False, seed)]
+    in BlockStored.block_hashes for these prompt tokens (of a request with `extras`: its LoRA
+    adapter, its cache salt), block by block: the low 64 bits of each digest as an int, or with
+    `as_bytes` (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) the 32-byte digest."""
+    blocks = hash_sha256_cbor(token_ids, block_size, False, seed, extras)
+    digests = [bytes.fromhex(block.value) for block in blocks]
     if as_bytes:
         return digests
     return [int.from_bytes(digest, "big") & MASK64 for digest in digests]

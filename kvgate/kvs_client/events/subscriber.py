@@ -236,7 +236,7 @@ class InstanceFeed:
         if event.block_size != self._limits.block_size:
             self._metrics.dropped.labels(self._id, "block_size").inc()
             return
-        if event.keyed_beyond_tokens:  # LoRA, cache salt, images: no prompt kvgate hashes can match
+        if event.keyed_beyond_tokens:  # images, prompt embeddings: no prompt kvgate hashes can match
             self._metrics.dropped.labels(self._id, "keyed_beyond_tokens").inc()
             return
         if event.parent is not None and not self._index.holds(self.slot, event.parent):

@@ -90,9 +90,12 @@ def _event(raw: Any) -> Event | None:
     block_size = fields.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise MalformedEvents("bad_event", "BlockStored.block_size must be a positive int")
+    # vLLM lists each block's extra keys untagged: a LoRA adapter's name and a cache salt as strings
+    # (kvgate hashes those too), an image as [identifier, offset], prompt embeddings as bytes.
     extra_keys = fields.get("extra_keys")
-    beyond = fields.get("lora_name") is not None or (
-        isinstance(extra_keys, list) and any(keys is not None for keys in extra_keys))
+    beyond = isinstance(extra_keys, list) and any(
+        keys is not None and not (isinstance(keys, list) and all(isinstance(key, str) for key in keys))
+        for keys in extra_keys)
     return BlocksStored(hashes, None if parent is None else _hash(parent), medium, block_size, beyond)
 
 
