@@ -2,7 +2,8 @@
 
 Every test under tests/vllm/ carries the `vllm` marker. Without the virtualenv they skip with the
 install command; with KVGATE_TEST_REQUIRE_VLLM=1 (set by .ci/run) a missing install fails instead, so
-CI never passes by skipping them. Each module starts its own engines once (about a minute).
+CI never passes by skipping them. Each module starts its own engines once (about a minute, up to
+several on a fresh or busy machine).
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ from kvgate.gateway.planning.tokenizer import TokenizerService, load_tokenizer
 REQUIRE_ENV = "KVGATE_TEST_REQUIRE_VLLM"
 
 
+# A module's first test also waits for its engines: on a fresh machine each compiles its model first,
+# and three engines sharing two cores have taken over 300 s (the suite's default test timeout).
+ENGINE_TEST_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.vllm)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")
