@@ -43,6 +43,19 @@ async def engine_load(engine: VLLMEngine) -> int:
     return int(metrics.get("vllm:num_requests_running", 0) + metrics.get("vllm:num_requests_waiting", 0))
 
 
+async def wait_engines_hold(engines: Sequence[VLLMEngine], count: int, timeout_s: float = 15.0) -> list[int]:
+    """Each engine's requests (running + waiting) once they sum to `count`: the engines' gauges follow
+    their scheduler steps, a moment after a request's first token reached the client."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = [await engine_load(engine) for engine in engines]
+        if sum(held) == count:
+            return held
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engines hold {held} requests, not {count} in all, after {timeout_s}s")
+        await _sleep(0.2)
+
+
 async def wait_engine_idle(engine: VLLMEngine, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while await engine_load(engine):

@@ -23,7 +23,7 @@ from kvgate.gateway.planning.chat_inputs import chat_template_inputs
 from kvgate.gateway.state import GATEWAY
 from tests.gateway_helpers import assert_nothing_in_flight, wait_until
 from tests.otlp_receiver import OTLPReceiver
-from tests.vllm.fleet import MODEL, engine_load, module_fleet, wait_engine_idle
+from tests.vllm.fleet import MODEL, module_fleet, wait_engine_idle, wait_engines_hold
 
 MAX_MODEL_LEN = 4096
 
@@ -118,8 +118,7 @@ async def _reconcile(engines, gateway) -> None:
     try:
         for stream in streams:
             await stream.__anext__()  # every request is running on its engine
-        held = [await engine_load(engine) for engine in engines]
-        assert sum(held) == 6
+        held = await wait_engines_hold(engines, 6)
         for index, engine_held in enumerate(held):
             instance = f"e{index}"
             assert account.inflight(instance)[0] == engine_held
@@ -142,7 +141,7 @@ async def test_client_hang_up_makes_the_engine_abort(engines, gateway):
         extra_body={"ignore_eos": True})
     for _ in range(5):
         await stream.__anext__()
-    assert sum([await engine_load(e) for e in engines]) == 1
+    await wait_engines_hold(engines, 1)
     await stream.close()
     for engine in engines:
         await wait_engine_idle(engine, timeout_s=5.0)
