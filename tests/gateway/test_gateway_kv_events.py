@@ -87,7 +87,9 @@ async def test_cache_aware_follows_the_blocks_an_engine_published(fleet):
         await engines[0].publish([engines[0].store_prompt(PROMPT[:BLOCK])])  # e0 holds only block 0
         await engines[1].publish([engines[1].store_prompt(PROMPT)])
 
-        plan = await plan_once(gateway.url, body, lambda scores: scores["e1"]["prefix_hit_tokens"] == 5 * BLOCK)
+        # Each engine's events arrive on a socket of its own, in no order between them: wait for both.
+        plan = await plan_once(gateway.url, body, lambda scores: scores["e1"]["prefix_hit_tokens"] == 5 * BLOCK
+                               and scores["e0"]["prefix_hit_tokens"] == BLOCK)
         scores = by_id(plan)
         assert plan["selected"] == "e1"
         assert plan["kvs_status"] == "skipped" and plan["events_status"] == "ok"

