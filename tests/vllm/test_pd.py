@@ -60,11 +60,13 @@ async def _warm_pair(engines, engine_tokenizer, prefill_id: str) -> None:
     first pull may fail, so it is tried up to three times before the tests measure anything."""
     warm = await start_gateway(settings_for(engines, [prefill_id, "d0"]), tokenizer=engine_tokenizer)
     try:
+        # The first request also waits for the engines to compile for its shapes: a generous timeout.
+        api = openai.AsyncOpenAI(base_url=warm.url + "/v1", api_key="unused", max_retries=0, timeout=400)
         for attempt in range(3):
             try:
-                await client(warm.url).completions.create(model=MODEL, prompt=[4900 + attempt] * 600, max_tokens=2)
+                await api.completions.create(model=MODEL, prompt=[4900 + attempt] * 600, max_tokens=2)
                 return
-            except openai.InternalServerError:
+            except (openai.InternalServerError, openai.APITimeoutError):
                 if attempt == 2:
                     raise
     finally:
