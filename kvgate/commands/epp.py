@@ -9,13 +9,11 @@ on --http-port. See docs/EPP.md for the Envoy configuration.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.commands.startup import load_settings_and_tokenizer
+from kvgate.config.loader import add_settings_arguments
 from kvgate.config.settings import Settings
-from kvgate.gateway.tracing import check_tracing
-from kvgate.scheduler.registry import check_settings
 
 
 def add_parser(subparsers) -> None:
@@ -28,24 +26,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cli_values = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
-    try:
-        settings = load_settings(cli_values, config_path=args.config)
-        check_settings(settings)
-        check_picker_settings(settings)
-        check_tracing(settings)
-    except (ConfigError, ValueError) as exc:
-        print(f"kvgate epp: {exc}", file=sys.stderr)
+    started = load_settings_and_tokenizer(args, "epp", check_picker_settings)
+    if started is None:
         return 2
-    # Imported after validation: grpc, aiohttp and transformers are not needed to reject a config.
-    from kvgate.gateway.planning.tokenizer import TokenizerLoadError, load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
-    except TokenizerLoadError as exc:
-        print(f"kvgate epp: {exc}", file=sys.stderr)
-        return 2
+    settings, tokenizer = started
+    # Imported after validation: grpc and aiohttp are not needed to reject a config.
     try:
         from kvgate.gateway.ext_proc.server import run_picker
     except ImportError as exc:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
+from kvgate.commands.startup import load_settings_and_tokenizer
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.instance_rules import redact_url
-from kvgate.config.loader import ConfigError, add_settings_arguments, load_settings
+from kvgate.config.loader import add_settings_arguments
 from kvgate.config.pd import check_pd_serving
 from kvgate.config.settings import DebugRoutes, KVSBackendName, Settings
-from kvgate.gateway.tracing import check_tracing
 from kvgate.scheduler.prefix import names_in_store
-from kvgate.scheduler.registry import check_settings
 
 
 def add_parser(subparsers) -> None:
@@ -32,24 +30,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cli_values = {name: value for name, value in vars(args).items() if name in Settings.model_fields}
-    try:
-        settings = load_settings(cli_values, config_path=args.config)
-        check_settings(settings)
-        check_pd_serving(settings.instances, settings.pd_protocol)
-        check_tracing(settings)
-    except (ConfigError, ValueError) as exc:
-        print(f"kvgate serve: {exc}", file=sys.stderr)
+    started = load_settings_and_tokenizer(
+        args, "serve", lambda settings: check_pd_serving(settings.instances, settings.pd_protocol))
+    if started is None:
         return 2
-    # Imported after validation: aiohttp, transformers and the scheduler are not needed to reject a config.
-    from kvgate.gateway.planning.tokenizer import TokenizerLoadError, load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
-    except TokenizerLoadError as exc:
-        print(f"kvgate serve: {exc}", file=sys.stderr)
-        return 2
+    settings, tokenizer = started
+    # The server (aiohttp) and the workers are imported below, after validation: `--check-config` and a
+    # rejected config do not need them.
     if args.check_config:
         print(_summary(settings, tokenizer))
         return 0
