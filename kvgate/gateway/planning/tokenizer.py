@@ -310,6 +310,13 @@ class TokenizerService:
         # The Rust tokenizer encodes outside the GIL, so both pools make progress at once.
         return self._long_executor if chars > LONG_PROMPT_CHARS else self._executor
 
+    async def _run_sized(self, call: Callable[[], PromptEncoding], chars: int, *, inline: bool) -> PromptEncoding:
+        """`call` on the event loop when `inline` (small work costs less than a thread hop), else on
+        the pool for `chars` characters."""
+        if inline:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._pool(chars), call)
+
     def encode_prompt_sync(
         self, text: str, add_special_tokens: bool = True, *, max_tokens: int | None = None
     ) -> list[int]:
@@ -342,10 +349,8 @@ class TokenizerService:
         """`text` encoded through its cached leading segments and about `window_tokens` tokens of new
         text after them (whole segments); whole when `window_tokens` is None or when the prompt may
         exceed `max_tokens` (PromptTooLong past it). Short texts are encoded on the event loop."""
-        if len(text) <= INLINE_MAX_CHARS:
-            return self._start(text, add_special_tokens, max_tokens, window_tokens)
         call = partial(self._start, text, add_special_tokens, max_tokens, window_tokens)
-        return await asyncio.get_running_loop().run_in_executor(self._pool(len(text)), call)
+        return await self._run_sized(call, len(text), inline=len(text) <= INLINE_MAX_CHARS)
 
     async def start_chat(
         self,
@@ -364,10 +369,9 @@ class TokenizerService:
         call = partial(self.start_chat_sync, messages, inputs, add_special_tokens, max_tokens=max_tokens,
                        window_tokens=window_tokens)
         size = body_bytes if body_bytes is not None else sum(len(str(m.get("content") or "")) for m in messages)
-        if (len(messages) <= INLINE_MAX_MESSAGES and size <= INLINE_MAX_CHARS
-                and inputs.tools is None and inputs.documents is None):
-            return call()
-        return await asyncio.get_running_loop().run_in_executor(self._pool(size), call)
+        inline = (len(messages) <= INLINE_MAX_MESSAGES and size <= INLINE_MAX_CHARS
+                  and inputs.tools is None and inputs.documents is None)
+        return await self._run_sized(call, size, inline=inline)
 
     def start_prompt_sync(
         self,
