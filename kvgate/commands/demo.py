@@ -243,20 +243,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_real(args: argparse.Namespace, requests: list[ReplayRequest], started: float) -> int:
-    from kvgate.config.engines import engines_home
+    from kvgate.commands.engines import find_tiny_model
     from kvgate.demo.real_engines import engine_specs, run_real_demo
-    from kvgate.engines.install import EnginesMissing, vllm_venv
-    from kvgate.engines.model import tiny_model
     from kvgate.engines.vllm import vllm_fleet
     from kvgate.gateway.planning.tokenizer import load_tokenizer
 
-    home = engines_home()
-    venv = vllm_venv(home)
-    try:
-        model_dir = tiny_model(venv, home)
-    except EnginesMissing as exc:
-        print(f"demo: {exc}", file=sys.stderr)
+    found = find_tiny_model("demo")
+    if found is None:
         return 1
+    venv, model_dir = found
     capacity = args.cache_capacity_blocks or BUNDLED_CACHE_BLOCKS
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     print(f"kvgate demo: {len(requests)} requests ({prompt_tokens:,} prompt tokens) per policy, "

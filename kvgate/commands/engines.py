@@ -13,11 +13,12 @@ import argparse
 import contextlib
 import sys
 import threading
+from pathlib import Path
 
 import yaml
 
 from kvgate.config.engines import engines_home
-from kvgate.engines.install import EnginesMissing, install_vllm, vllm_venv
+from kvgate.engines.install import EnginesMissing, EngineVenv, install_vllm, vllm_venv
 from kvgate.engines.model import TINY_MODEL_NAME, tiny_model
 
 
@@ -48,26 +49,33 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(args: argparse.Namespace) -> int:
+def find_tiny_model(command: str) -> tuple[EngineVenv, Path] | None:
+    """The engines' virtualenv and the tiny model they serve (built on first use), or None after
+    printing `<command>: <why not>` on stderr."""
     home = engines_home()
+    venv = vllm_venv(home)
     try:
-        print(tiny_model(vllm_venv(home), home))
+        return venv, tiny_model(venv, home)
     except EnginesMissing as exc:
-        print(f"kvgate engines model: {exc}", file=sys.stderr)
+        print(f"{command}: {exc}", file=sys.stderr)
+        return None
+
+
+def _model(args: argparse.Namespace) -> int:
+    found = find_tiny_model("kvgate engines model")
+    if found is None:
         return 1
+    print(found[1])
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
     from kvgate.engines.vllm import VLLMEngineSpec, vllm_fleet
 
-    home = engines_home()
-    venv = vllm_venv(home)
-    try:
-        model_dir = tiny_model(venv, home)
-    except EnginesMissing as exc:
-        print(f"kvgate engines run: {exc}", file=sys.stderr)
+    found = find_tiny_model("kvgate engines run")
+    if found is None:
         return 1
+    venv, model_dir = found
     roles = ["prefill", "decode"] if args.pd else ["neutral"] * args.count
     specs = [
         VLLMEngineSpec(model_dir, TINY_MODEL_NAME, core=i % 2, role=role, kv_cache_gib=args.kv_cache_gib,
