@@ -586,9 +586,10 @@ class Settings(BaseModel):
             )
         return self
 
-    @field_validator("dispatch_metric_order", mode="before")
+    @field_validator("dispatch_metric_order", "instance_networks", mode="before")
     @classmethod
-    def _split_metric_order(cls, value):
+    def _split_comma_list(cls, value):
+        # From a flag or the environment a list comes as "a,b,c"; empty parts are dropped.
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         return value
@@ -633,13 +634,6 @@ class Settings(BaseModel):
     def _empty_seed_is_zero(cls, value):
         # vLLM and Llumnix treat an unset or empty seed as "0".
         return value or "0"
-
-    @field_validator("instance_networks", mode="before")
-    @classmethod
-    def _split_networks(cls, value):
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
-        return value
 
     @field_validator("instance_networks")
     @classmethod
