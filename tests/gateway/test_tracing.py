@@ -22,9 +22,15 @@ from tests.gateway.test_pd import engine as pd_engine
 from tests.gateway.test_pd import free_port
 from tests.gateway.test_pd import instance as pd_instance
 from tests.gateway.test_pd import settings as pd_settings
-from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, gateway_settings, tokenizer
+from tests.gateway_helpers import (
+    EmbeddedFleet,
+    assert_nothing_in_flight,
+    gateway_settings,
+    scripted_upstreams,
+    tokenizer,
+)
 from tests.otlp_receiver import OTLPReceiver, ReceivedSpan, running_receiver
-from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+from tests.scripted_upstream import MODEL
 
 MOCK_MODEL = "kvgate/mock-llm"
 CHUNK = 16
@@ -116,10 +122,8 @@ async def test_a_routed_completion_is_one_trace_of_the_planner_stages_and_the_fo
 
 @pytest.fixture
 async def upstreams():
-    started = [await ScriptedUpstream(name, Script()).start() for name in ("a", "b")]
-    yield started
-    for upstream in started:
-        await upstream.close()
+    async with scripted_upstreams("a", "b") as started:
+        yield list(started.values())
 
 
 async def test_the_clients_traceparent_is_continued_and_each_engine_gets_its_attempts(upstreams):
