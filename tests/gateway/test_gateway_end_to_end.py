@@ -14,9 +14,12 @@ from tests.gateway_helpers import (
     assert_hang_up_released,
     assert_nothing_in_flight,
     gateway_settings,
+    openai_client,
     read_events,
     tokenizer,
 )
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 CONFIG = MockEngineConfig(time_scale=0.05)
 MODEL = CONFIG.model
@@ -41,7 +44,7 @@ async def gateway(engines):
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 def stable(obj) -> dict:

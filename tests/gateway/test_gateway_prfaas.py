@@ -22,9 +22,12 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     closed_port_url,
     counter_value,
+    openai_client,
     read_events,
     tokenizer,
 )
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MODEL = MockEngineConfig().model
 KV_BYTES_PER_TOKEN = 1000
@@ -65,7 +68,7 @@ async def prfaas_fleet(protocol: str = "vllm", remote_engines: int = 1, dead_rem
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 async def explain(url: str, prompt_ids: list[int]) -> dict:

@@ -26,11 +26,14 @@ from tests.gateway_helpers import (
     EmbeddedFleet,
     assert_nothing_in_flight,
     gateway_settings,
+    openai_client,
     scripted_upstreams,
     tokenizer,
 )
 from tests.otlp_receiver import OTLPReceiver, ReceivedSpan, running_receiver
 from tests.scripted_upstream import MODEL
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MOCK_MODEL = "kvgate/mock-llm"
 CHUNK = 16
@@ -41,7 +44,7 @@ STAGES = [names.TOKENIZE, names.LOOKUP, names.SCHEDULE]
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 async def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
