@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from kvgate.kvs_client.launch import MooncakeMasterProcess, RedisServerProcess
-from tests.gateway_helpers import opened_openai_clients
+from tests.openai_helpers import opened_openai_clients
 from tests.services import running_mooncake_master, running_redis_server
 
 
@@ -40,7 +40,7 @@ def redis_url(redis_server: RedisServerProcess) -> Iterator[str]:
 
 @pytest.fixture
 async def close_openai_clients() -> AsyncIterator[None]:
-    """Closes the clients gateway_helpers.openai_client opened during the test, while its loop still runs."""
+    """Closes the clients openai_helpers.openai_client opened during the test, while its loop still runs."""
     yield
     while opened_openai_clients:
         await opened_openai_clients.pop().close()

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.config.settings import InstanceConfig, Settings
@@ -65,19 +64,6 @@ async def read_streamed_completion(url: str, model: str) -> bytes:
     async with aiohttp.ClientSession() as session, session.post(
             url + "/v1/completions", json={"model": model, "prompt": "p", "stream": True}) as response:
         return await response.read()
-
-
-# The openai clients openai_client opened; the close_openai_clients fixture (conftest.py) closes them after
-# each test, so no client is left to the garbage collector once its event loop is gone.
-opened_openai_clients: list[openai.AsyncOpenAI] = []
-
-
-def openai_client(url: str, api_key: str = "unused", timeout: float = 30.0) -> openai.AsyncOpenAI:
-    """The official client, without retries, for the OpenAI server at `url` (a module using it asks for the
-    close_openai_clients fixture)."""
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
-    opened_openai_clients.append(client)
-    return client
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -23,11 +23,11 @@ from tests.gateway_helpers import (
     EmbeddedFleet,
     closed_port_url,
     gateway_settings,
-    openai_client,
     read_events,
     tokenizer,
     wait_until,
 )
+from tests.openai_helpers import openai_client
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")
 

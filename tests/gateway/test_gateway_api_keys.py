@@ -17,9 +17,9 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     counter_value,
     gateway_settings,
-    openai_client,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")

@@ -21,7 +21,8 @@ from kvgate.gateway.http.server import GatewayHandle, start_gateway
 from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from tests.conductor_double import ConductorDouble
-from tests.gateway_helpers import assert_nothing_in_flight, closed_port_url, openai_client, tokenizer
+from tests.gateway_helpers import assert_nothing_in_flight, closed_port_url, tokenizer
+from tests.openai_helpers import openai_client
 
 pytestmark = [pytest.mark.usefixtures("close_openai_clients"), pytest.mark.timeout(120)]
 

@@ -14,10 +14,10 @@ from tests.gateway_helpers import (
     assert_hang_up_released,
     assert_nothing_in_flight,
     gateway_settings,
-    openai_client,
     read_events,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")
 

@@ -18,9 +18,9 @@ from tests.gateway_helpers import (
     counter_value,
     gateway_settings,
     inflight_gauges,
-    openai_client,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")

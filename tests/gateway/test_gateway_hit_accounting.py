@@ -14,7 +14,8 @@ from kvgate.config.settings import Settings
 from kvgate.gateway.feedback.hit_accounting import KEYS_DIFFER, STORE_CLAIMS, UNREPORTED, HitAccounting
 from kvgate.gateway.feedback.usage import ReportedUsage, UsageTap
 from kvgate.metrics.definitions import hit_metrics
-from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value, openai_client
+from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value
+from tests.openai_helpers import openai_client
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")
 

@@ -22,10 +22,10 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     closed_port_url,
     counter_value,
-    openai_client,
     read_events,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")
 

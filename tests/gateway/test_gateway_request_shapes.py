@@ -8,7 +8,8 @@ import openai
 import pytest
 
 from kvgate.config.settings import Settings
-from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value, openai_client
+from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value
+from tests.openai_helpers import openai_client
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")
 

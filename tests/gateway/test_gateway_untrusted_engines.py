@@ -30,11 +30,11 @@ from tests.gateway_helpers import (
     counter_value,
     gateway_records,
     gateway_settings,
-    openai_client,
     tokenizer,
     wait_until,
 )
 from tests.hung_engine import HungEngine
+from tests.openai_helpers import openai_client
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")
 

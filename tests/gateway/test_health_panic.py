@@ -13,10 +13,10 @@ from tests.gateway_helpers import (
     closed_port_url,
     counter_value,
     gateway_settings,
-    openai_client,
     tokenizer,
     wait_until,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 
 pytestmark = [pytest.mark.usefixtures("close_openai_clients"), pytest.mark.timeout(60)]

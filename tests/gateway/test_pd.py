@@ -21,11 +21,11 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     closed_port_url,
     counter_value,
-    openai_client,
     read_events,
     tokenizer,
     wait_until,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import Script, ScriptedUpstream
 
 pytestmark = pytest.mark.usefixtures("close_openai_clients")

@@ -26,10 +26,10 @@ from tests.gateway_helpers import (
     EmbeddedFleet,
     assert_nothing_in_flight,
     gateway_settings,
-    openai_client,
     scripted_upstreams,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
 from tests.otlp_receiver import OTLPReceiver, ReceivedSpan, running_receiver
 from tests.scripted_upstream import MODEL
 
