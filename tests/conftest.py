@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 from kvgate.kvs_client.launch import MooncakeMasterProcess, RedisServerProcess
+from tests.openai_helpers import opened_openai_clients
 from tests.services import running_mooncake_master, running_redis_server
 
 
@@ -35,3 +36,11 @@ def redis_url(redis_server: RedisServerProcess) -> Iterator[str]:
         client.flushdb()
     finally:
         client.close()
+
+
+@pytest.fixture
+async def close_openai_clients() -> AsyncIterator[None]:
+    """Closes the clients openai_helpers.openai_client opened during the test, while its loop still runs."""
+    yield
+    while opened_openai_clients:
+        await opened_openai_clients.pop().close()

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import orjson
 from aiohttp import web
+
+from tests.engine_double_helpers import LoopbackEngineServer
 
 MODEL = "double-model"
 
@@ -57,31 +60,13 @@ async def default_answer(request: web.Request, body: dict) -> web.StreamResponse
 
 
 @dataclass
-class EngineDouble:
+class EngineDouble(LoopbackEngineServer):
     answer: Answer = default_answer
     metrics_text: str = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
     # Only requests with this Authorization header are served (401 otherwise), /health included.
     required_authorization: str | None = None
     seen: list[tuple[dict[str, str], dict]] = field(default_factory=list)
-    url: str = ""
-    _runner: web.AppRunner | None = None
-
-    async def start(self) -> EngineDouble:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+    max_body_bytes: ClassVar[int] = 64 * 1024 * 1024
 
     def _refused(self, request: web.Request) -> bool:
         return self.required_authorization is not None and \

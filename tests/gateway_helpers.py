@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -15,6 +16,7 @@ from kvgate.config.settings import InstanceConfig, Settings
 from kvgate.gateway.http.server import GatewayHandle
 from kvgate.gateway.planning.tokenizer import load_tokenizer
 from kvgate.gateway.state import GATEWAY
+from tests.scripted_upstream import Script, ScriptedUpstream
 
 
 @functools.cache
@@ -44,6 +46,24 @@ def closed_port_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def scripted_upstreams(*names: str) -> AsyncIterator[dict[str, ScriptedUpstream]]:
+    """Scripted engine doubles by name, each answering by the default Script until the block ends."""
+    async with contextlib.AsyncExitStack() as stack:
+        started: dict[str, ScriptedUpstream] = {}
+        for name in names:
+            started[name] = await ScriptedUpstream(name, Script()).start()
+            stack.push_async_callback(started[name].close)
+        yield started
+
+
+async def read_streamed_completion(url: str, model: str) -> bytes:
+    """The raw SSE body of a streamed completion of the prompt "p", asked of the gateway at `url`."""
+    async with aiohttp.ClientSession() as session, session.post(
+            url + "/v1/completions", json={"model": model, "prompt": "p", "stream": True}) as response:
+        return await response.read()
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
+from tests.engine_double_helpers import LoopbackEngineServer
+
 MODEL = "scripted-model"
 
 
@@ -35,33 +37,14 @@ class Seen:
 
 
 @dataclass
-class ScriptedUpstream:
+class ScriptedUpstream(LoopbackEngineServer):
     name: str
     script: Script = field(default_factory=Script)
     seen: list[Seen] = field(default_factory=list)
     cancelled: int = 0  # requests whose client went away before the answer ended
     open_streams: int = 0
-    url: str = ""
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free one
-    _runner: web.AppRunner | None = None
-
-    async def start(self) -> ScriptedUpstream:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
-        return self
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.script.health_status, text="ok")

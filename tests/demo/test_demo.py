@@ -79,15 +79,20 @@ async def test_demo_runs_both_policies_and_prints_the_table(tokenizer):
     assert all(label in "\n".join(lines) for label, _ in ROWS)
 
 
-def test_demo_command_replays_a_trace(tmp_path, capsys):
+def six_request_trace(tmp_path) -> str:
+    """Two 1536-token prompts sharing their first two 512-token blocks, sent three times each."""
     trace = tmp_path / "trace.jsonl"
-    # Two 1536-token prompts sharing their first two 512-token blocks, sent three times each.
     records = [
         {"timestamp": 100 * i, "input_length": 1536, "output_length": 4, "hash_ids": [0, 1, 2 + i % 2]}
         for i in range(6)
     ]
     trace.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    code = main(["demo", "--trace", str(trace), "--requests", "6", "--engines", "2", "--no-progress"])
+    return str(trace)
+
+
+def test_demo_command_replays_a_trace(tmp_path, capsys):
+    code = main(["demo", "--trace", six_request_trace(tmp_path), "--requests", "6", "--engines", "2",
+                 "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0
     header = out.splitlines()[0]
@@ -203,14 +208,8 @@ def test_a_fleet_without_a_store_needs_kv_events():
 
 
 def test_demo_command_routes_on_kv_events_alone(tmp_path, capsys):
-    trace = tmp_path / "trace.jsonl"
-    records = [
-        {"timestamp": 100 * i, "input_length": 1536, "output_length": 4, "hash_ids": [0, 1, 2 + i % 2]}
-        for i in range(6)
-    ]
-    trace.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    code = main(["demo", "--kvs-backend", "kv_events", "--trace", str(trace), "--requests", "6", "--engines", "2",
-                 "--no-progress"])
+    code = main(["demo", "--kvs-backend", "kv_events", "--trace", six_request_trace(tmp_path), "--requests", "6",
+                 "--engines", "2", "--no-progress"])
     captured = capsys.readouterr()
     assert code == 0
     assert "KV store: none, the engines' KV events alone" in captured.err

@@ -21,18 +21,18 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     counter_value,
     gateway_settings,
+    read_streamed_completion,
+    scripted_upstreams,
     tokenizer,
     wait_until,
 )
-from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+from tests.scripted_upstream import MODEL, Script
 
 
 @pytest.fixture
 async def engines():
-    started = {name: await ScriptedUpstream(name, Script()).start() for name in ("a", "b")}
-    yield started
-    for engine in started.values():
-        await engine.close()
+    async with scripted_upstreams("a", "b") as started:
+        yield started
 
 
 def write(path, text: str) -> None:
@@ -129,13 +129,7 @@ async def test_a_removed_instance_finishes_its_streams(engines, tmp_path):
     handle = await start(path)
     try:
         await wait_until(lambda: fleet(handle) == {"a"})
-
-        async def stream() -> bytes:
-            async with aiohttp.ClientSession() as session, session.post(
-                    handle.url + "/v1/completions", json={"model": MODEL, "prompt": "p", "stream": True}) as r:
-                return await r.read()
-
-        streaming = asyncio.create_task(stream())
+        streaming = asyncio.create_task(read_streamed_completion(handle.url, MODEL))
         await wait_until(lambda: engines["a"].open_streams == 1)
         write(path, yaml.safe_dump(instances(engines, "b")))
         await wait_until(lambda: fleet(handle) == {"b"})

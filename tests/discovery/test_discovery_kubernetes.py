@@ -16,6 +16,7 @@ from tests.gateway_helpers import (
     assert_nothing_in_flight,
     counter_value,
     gateway_settings,
+    read_streamed_completion,
     tokenizer,
     wait_until,
 )
@@ -138,13 +139,8 @@ async def test_a_pod_leaving_mid_stream_lets_the_stream_finish(api, engines, tmp
     handle = await start(api, engines, tmp_path)
     try:
         await wait_until(lambda: set(fleet(handle)) == {"a", "b"})
-
-        async def stream() -> bytes:
-            async with aiohttp.ClientSession() as session, session.post(
-                    handle.url + "/v1/completions", json={"model": MODEL, "prompt": "p", "stream": True}) as r:
-                return await r.read()
-
-        streams = [asyncio.create_task(stream()) for _ in range(2)]  # round robin: one on each
+        # Round robin: one on each.
+        streams = [asyncio.create_task(read_streamed_completion(handle.url, MODEL)) for _ in range(2)]
         await wait_until(lambda: engines["a"].open_streams == 1)
         api.change_pod("a", ready=False)
         await wait_until(lambda: set(fleet(handle)) == {"b"})

@@ -107,63 +107,45 @@ async def test_a_correct_fleet_passes_every_check_and_the_cli_exits_0(mooncake_m
         await fleet.close()
 
 
+async def one_engine_failures(mooncake_master, gateway: Settings, engine: Settings,
+                              **add_options) -> dict[tuple[str, str], str]:
+    """The failed checks of a fleet of one engine `engine` behind a gateway configured as `gateway`."""
+    fleet = Fleet(mooncake_master, gateway)
+    try:
+        await fleet.add(engine, **add_options)
+        return failures(await fleet.diagnose())
+    finally:
+        await fleet.close()
+
+
 async def test_a_wrong_tokenizer_is_named(mooncake_master, tmp_path):
     gateway = store_settings(mooncake_master)
-    fleet = Fleet(mooncake_master, gateway)
-    try:
-        await fleet.add(gateway, engine_tokenizer=other_tokenizer(tmp_path))
-        found = failures(await fleet.diagnose())
-        assert set(found) == {("completion tokens", "e0"), ("chat tokens", "e0")}
-        assert "tokenizers differ" in found[("completion tokens", "e0")]
-    finally:
-        await fleet.close()
+    found = await one_engine_failures(mooncake_master, gateway, gateway, engine_tokenizer=other_tokenizer(tmp_path))
+    assert set(found) == {("completion tokens", "e0"), ("chat tokens", "e0")}
+    assert "tokenizers differ" in found[("completion tokens", "e0")]
 
 
-async def test_a_wrong_seed_is_named(mooncake_master):
-    gateway = store_settings(mooncake_master)
-    fleet = Fleet(mooncake_master, gateway)
-    try:
-        await fleet.add(gateway.model_copy(update={"hash_seed": "12345"}))
-        found = failures(await fleet.diagnose())
-        assert set(found) == {("block keys in store", "e0")}
-        assert "another seed" in found[("block keys in store", "e0")]
-        assert "hash_seed" in found[("block keys in store", "e0")]
-    finally:
-        await fleet.close()
+# (gateway settings, engine settings changed from them, Fleet.add options, the failed check, words in its detail)
+WRONG_ENGINES = [
+    pytest.param({}, {"hash_seed": "12345"}, {}, "block keys in store", ["another seed", "hash_seed"],
+                 id="wrong-seed"),
+    pytest.param({}, {}, {"report_cached_tokens": False}, "cached tokens reported",
+                 ["--enable-prompt-tokens-details"], id="no-cached-tokens"),
+    pytest.param({}, {"kvs_key_format": "sglang_mha"}, {}, "block keys in store",
+                 ["kvs_key_format='sglang_mha' (config: llumnix)"], id="wrong-key-format"),
+    # vLLM's MooncakeStoreConnector keys embed the served model's basename.
+    pytest.param({"kvs_key_format": "vllm_mooncake", "kvs_model_name": "org/another-model"},
+                 {"kvs_model_name": DEFAULT_MODEL}, {}, "block keys in store",
+                 [f"kvs_model_name={DEFAULT_MODEL!r} (config: org/another-model)"], id="wrong-model-name-in-keys"),
+]
 
 
-async def test_an_engine_not_reporting_cached_tokens_is_named(mooncake_master):
-    gateway = store_settings(mooncake_master)
-    fleet = Fleet(mooncake_master, gateway)
-    try:
-        await fleet.add(gateway, report_cached_tokens=False)
-        found = failures(await fleet.diagnose())
-        assert set(found) == {("cached tokens reported", "e0")}
-        assert "--enable-prompt-tokens-details" in found[("cached tokens reported", "e0")]
-    finally:
-        await fleet.close()
-
-
-async def test_a_wrong_key_format_is_named(mooncake_master):
-    gateway = store_settings(mooncake_master)
-    fleet = Fleet(mooncake_master, gateway)
-    try:
-        await fleet.add(gateway.model_copy(update={"kvs_key_format": "sglang_mha"}))
-        found = failures(await fleet.diagnose())
-        assert set(found) == {("block keys in store", "e0")}
-        assert "kvs_key_format='sglang_mha' (config: llumnix)" in found[("block keys in store", "e0")]
-    finally:
-        await fleet.close()
-
-
-async def test_a_wrong_model_name_in_the_keys_is_named(mooncake_master):
-    """vLLM's MooncakeStoreConnector keys embed the served model's basename."""
-    gateway = store_settings(mooncake_master, kvs_key_format="vllm_mooncake", kvs_model_name="org/another-model")
-    fleet = Fleet(mooncake_master, gateway)
-    try:
-        await fleet.add(gateway.model_copy(update={"kvs_model_name": DEFAULT_MODEL}))
-        found = failures(await fleet.diagnose())
-        assert set(found) == {("block keys in store", "e0")}
-        assert f"kvs_model_name={DEFAULT_MODEL!r} (config: org/another-model)" in found[("block keys in store", "e0")]
-    finally:
-        await fleet.close()
+@pytest.mark.parametrize(("gateway_changes", "engine_changes", "add_options", "check", "named"), WRONG_ENGINES)
+async def test_a_wrong_engine_setting_is_named(mooncake_master, gateway_changes, engine_changes, add_options,
+                                               check, named):
+    gateway = store_settings(mooncake_master, **gateway_changes)
+    found = await one_engine_failures(mooncake_master, gateway, gateway.model_copy(update=engine_changes),
+                                      **add_options)
+    assert set(found) == {(check, "e0")}
+    for words in named:
+        assert words in found[(check, "e0")]

@@ -27,6 +27,9 @@ from tests.gateway_helpers import (
     tokenizer,
     wait_until,
 )
+from tests.openai_helpers import openai_client
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MODEL = "kvgate/mock-llm"
 CHUNK = 16
@@ -52,7 +55,7 @@ async def behind_envoy(tmp_path: Path, settings: Settings = PICKER, engines: Seq
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 def counter(picker: PickerHandle, name: str, **labels: str) -> float:

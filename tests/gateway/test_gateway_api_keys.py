@@ -13,8 +13,16 @@ import pytest
 from kvgate.config.api_keys import load_api_keys
 from kvgate.config.loader import ConfigError, load_settings
 from kvgate.gateway.http.server import start_gateway
-from tests.gateway_helpers import assert_nothing_in_flight, counter_value, gateway_settings, tokenizer
+from tests.gateway_helpers import (
+    assert_nothing_in_flight,
+    counter_value,
+    gateway_settings,
+    tokenizer,
+)
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 KEY_A = "a" * 8 + "-team-a-0123456789abcdef"
 KEY_B = "b" * 8 + "-bare-key-0123456789abcdef"
@@ -35,7 +43,7 @@ async def upstream():
 
 
 def client(url: str, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
+    return openai_client(url, api_key=key)
 
 
 def test_the_keys_file_names_keys_and_refuses_bad_lines(tmp_path, keys_file):

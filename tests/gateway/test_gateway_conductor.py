@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
-import openai
 import pytest
 
 from kvgate.commands.doctor import diagnose
@@ -23,8 +22,9 @@ from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.mock_engine.server import MockEngineConfig, start_mock_engine
 from tests.conductor_double import ConductorDouble
 from tests.gateway_helpers import assert_nothing_in_flight, closed_port_url, tokenizer
+from tests.openai_helpers import openai_client
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.usefixtures("close_openai_clients"), pytest.mark.timeout(120)]
 
 CHUNK = 16
 MODEL = "kvgate/mock-llm"
@@ -87,7 +87,7 @@ async def test_cache_aware_routes_to_the_longest_prefix_the_indexer_reports(cond
             conductor.store(longest, ids[: blocks * CHUNK], "gpu", model=MODEL, block_size=CHUNK)
             conductor.store(shorter, ids[: 2 * CHUNK], "cpu", model=MODEL, block_size=CHUNK)
 
-        client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai_client(gateway.url)
         for topic, expected in (("rivers", "e1"), ("volcanoes", "e0")):
             messages = conversation(topic, "Which is the longest?")
             plan = await schedule(gateway, {"model": MODEL, "messages": messages, "max_tokens": 4})
@@ -141,7 +141,7 @@ async def test_the_disk_tier_is_a_transfer_for_every_instance_only_when_asked_fo
 
 async def test_requests_are_served_while_the_indexer_is_down(conductor):
     async with fleet(conductor.url, dispatch_policy="cache_aware", kvs_retry_times=0) as (gateway, _, _service):
-        client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai_client(gateway.url)
         messages = conversation("tides", "When is high water?")
         conductor.fail_with = (503, b'{"error": "restarting"}')
         answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
@@ -152,7 +152,7 @@ async def test_requests_are_served_while_the_indexer_is_down(conductor):
         await assert_nothing_in_flight(gateway)
 
     async with fleet(closed_port_url(), dispatch_policy="cache_aware") as (gateway, _, _service):
-        client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai_client(gateway.url)
         answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
         assert answer.choices[0].message.content
         plan = await schedule(gateway, {"model": MODEL, "messages": messages, "max_tokens": 4})

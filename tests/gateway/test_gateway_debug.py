@@ -11,8 +11,8 @@ from kvgate.gateway.state import GATEWAY
 from kvgate.kvs_client import EmbeddedKVSIndex
 from kvgate.processes import free_port
 from kvgate.scheduler.router import Scheduler
-from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer
-from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, scripted_upstreams, tokenizer
+from tests.scripted_upstream import MODEL
 
 CHUNK = 8
 LONG_PROMPT = "A fairly long prompt about rivers and mountains. " * 10
@@ -20,10 +20,8 @@ LONG_PROMPT = "A fairly long prompt about rivers and mountains. " * 10
 
 @pytest.fixture
 async def upstreams():
-    started = [await ScriptedUpstream(name, Script()).start() for name in ("a", "b")]
-    yield started
-    for upstream in started:
-        await upstream.close()
+    async with scripted_upstreams("a", "b") as started:
+        yield list(started.values())
 
 
 async def post(url: str, path: str, body: dict) -> tuple[int, dict]:

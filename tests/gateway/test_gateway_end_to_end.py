@@ -17,6 +17,9 @@ from tests.gateway_helpers import (
     read_events,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 CONFIG = MockEngineConfig(time_scale=0.05)
 MODEL = CONFIG.model
@@ -41,7 +44,7 @@ async def gateway(engines):
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 def stable(obj) -> dict:

@@ -109,9 +109,9 @@ async def test_invalid_bodies_are_400(gateway, path, data, param, fragment):
 
 
 async def test_unknown_model_is_404(gateway):
-    with pytest.raises(openai.NotFoundError) as caught:
-        await openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0).completions.create(
-            model="no-such-model", prompt="hi")
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.completions.create(model="no-such-model", prompt="hi")
     assert caught.value.body["code"] == "model_not_found"
 
 

@@ -20,7 +20,10 @@ from tests.gateway_helpers import (
     inflight_gauges,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 
 @pytest.fixture
@@ -48,7 +51,7 @@ async def fleet():
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
+    return openai_client(url, timeout=20)
 
 
 async def raw_post(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, CIMultiDict, bytes]:

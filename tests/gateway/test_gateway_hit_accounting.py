@@ -15,6 +15,9 @@ from kvgate.gateway.feedback.hit_accounting import KEYS_DIFFER, STORE_CLAIMS, UN
 from kvgate.gateway.feedback.usage import ReportedUsage, UsageTap
 from kvgate.metrics.definitions import hit_metrics
 from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value
+from tests.openai_helpers import openai_client
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MODEL = "kvgate/mock-llm"
 CHUNK = 16
@@ -27,7 +30,7 @@ ENGINE = Settings(kvs_chunk_size=CHUNK)
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 def comparisons(fleet: EmbeddedFleet, instance: str, outcome: str) -> float:

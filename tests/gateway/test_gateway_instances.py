@@ -12,8 +12,15 @@ from kvgate.gateway.fleet.engine_stats import parse_engine_stats
 from kvgate.gateway.http.server import start_gateway
 from kvgate.gateway.state import GATEWAY
 from kvgate.scheduler.types import EngineStats
-from tests.gateway_helpers import assert_nothing_in_flight, gateway_settings, tokenizer, wait_until
-from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+from tests.gateway_helpers import (
+    assert_nothing_in_flight,
+    gateway_settings,
+    read_streamed_completion,
+    scripted_upstreams,
+    tokenizer,
+    wait_until,
+)
+from tests.scripted_upstream import MODEL, Script
 
 TOKEN = "s3cret-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -21,10 +28,8 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture
 async def upstreams():
-    started = [await ScriptedUpstream(name, Script()).start() for name in ("a", "b")]
-    yield {u.name: u for u in started}
-    for upstream in started:
-        await upstream.close()
+    async with scripted_upstreams("a", "b") as started:
+        yield started
 
 
 async def call(url: str, method: str, path: str, json=None, headers=None) -> tuple[int, dict]:
@@ -102,12 +107,7 @@ async def test_drain_lets_in_flight_streams_finish(upstreams):
                                                   admin_token=TOKEN, dispatch_policy="round_robin"),
                                  tokenizer=tokenizer())
     try:
-        async def long_stream() -> bytes:
-            async with aiohttp.ClientSession() as session, session.post(
-                    handle.url + "/v1/completions", json={"model": MODEL, "prompt": "p", "stream": True}) as r:
-                return await r.read()
-
-        streaming = asyncio.create_task(long_stream())
+        streaming = asyncio.create_task(read_streamed_completion(handle.url, MODEL))
         await wait_until(lambda: upstreams["a"].open_streams == 1)
         _, payload = await call(handle.url, "POST", "/admin/instances/a/drain", headers=ADMIN)
         assert payload["inflight_requests"] == 1

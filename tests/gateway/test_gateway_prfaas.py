@@ -25,6 +25,9 @@ from tests.gateway_helpers import (
     read_events,
     tokenizer,
 )
+from tests.openai_helpers import openai_client
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MODEL = MockEngineConfig().model
 KV_BYTES_PER_TOKEN = 1000
@@ -65,7 +68,7 @@ async def prfaas_fleet(protocol: str = "vllm", remote_engines: int = 1, dead_rem
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 async def explain(url: str, prompt_ids: list[int]) -> dict:

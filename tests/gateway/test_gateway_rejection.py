@@ -8,8 +8,16 @@ import openai
 import pytest
 
 from kvgate.gateway.http.server import start_gateway
-from tests.gateway_helpers import assert_nothing_in_flight, counter_value, gateway_settings, tokenizer
+from tests.gateway_helpers import (
+    assert_nothing_in_flight,
+    counter_value,
+    gateway_settings,
+    tokenizer,
+)
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 COMPLETIONS = "/v1/completions"
 LONG = "word " * 300  # ~300 tokens
@@ -41,7 +49,7 @@ async def test_requests_predicted_over_the_ttft_slo_get_429_with_retry_after(ups
         assert payload["error"]["code"] == "ttft_slo_exceeded"
         assert int(headers["Retry-After"]) >= 1
         # The official client sees a RateLimitError carrying the header (no retries: it would honour it).
-        client = openai.AsyncOpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(handle.url)
         with pytest.raises(openai.RateLimitError) as caught:
             await client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
         assert int(caught.value.response.headers["Retry-After"]) >= 1

@@ -9,6 +9,9 @@ import pytest
 
 from kvgate.config.settings import Settings
 from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, counter_value
+from tests.openai_helpers import openai_client
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MODEL = "kvgate/mock-llm"
 CHUNK = 16
@@ -28,7 +31,7 @@ async def fleet():
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 async def gateway_prompt_tokens(url: str, body: dict) -> int:

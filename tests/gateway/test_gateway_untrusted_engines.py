@@ -34,6 +34,9 @@ from tests.gateway_helpers import (
     wait_until,
 )
 from tests.hung_engine import HungEngine
+from tests.openai_helpers import openai_client
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 # Cache-aware over an (empty) in-process store: answers' usage is read and compared (hit_accounting.py).
 TAPPED = {"dispatch_policy": "cache_aware", "cache_aware_scheduling_min_tokens": 0, "kvs_chunk_size": 16}
@@ -42,7 +45,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 async def start(upstreams: dict[str, str], **overrides):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from kvgate.config.settings import InstanceConfig, InstanceRole
@@ -17,9 +16,10 @@ from tests.gateway_helpers import (
     tokenizer,
     wait_until,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.usefixtures("close_openai_clients"), pytest.mark.timeout(60)]
 
 
 async def test_a_fleet_whose_health_checks_all_fail_still_serves(caplog):
@@ -32,7 +32,7 @@ async def test_a_fleet_whose_health_checks_all_fail_still_serves(caplog):
     try:
         await wait_until(lambda: not any(s.healthy for s in registry.states()))
         await wait_until(lambda: counter_value(handle, "kvgate_routing_panic", model=MODEL) == 1)
-        client = openai.AsyncOpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(handle.url)
         for i in range(6):  # whichever is ranked first, a failure on dead e0 is retried on e1
             answer = await client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=3)
             assert answer.choices[0].text

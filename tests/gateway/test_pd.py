@@ -25,7 +25,10 @@ from tests.gateway_helpers import (
     tokenizer,
     wait_until,
 )
+from tests.openai_helpers import openai_client
 from tests.scripted_upstream import Script, ScriptedUpstream
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MODEL = MockEngineConfig().model
 CHAT = [{"role": "user", "content": "Name three rivers."}]
@@ -53,7 +56,7 @@ def settings(protocol: str, instances: list[InstanceConfig], **overrides) -> Set
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 @pytest.fixture(params=["sglang", "vllm"])
@@ -310,7 +313,7 @@ async def test_client_hang_up_during_the_prefill_cancels_both(protocol):
     instances = [instance("p0", prefill.url, "prefill", bootstrap), instance("d0", decode.url, "decode")]
     gateway = await start_gateway(settings(protocol, instances), tokenizer=tokenizer())
     try:
-        impatient = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=0.5)
+        impatient = openai_client(gateway.url, timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
             await impatient.completions.create(model=MODEL, prompt=PROMPT * 4, max_tokens=5, stream=True)
         assert len(prefill.engine.received) == 1  # the prefill was under way

@@ -22,9 +22,18 @@ from tests.gateway.test_pd import engine as pd_engine
 from tests.gateway.test_pd import free_port
 from tests.gateway.test_pd import instance as pd_instance
 from tests.gateway.test_pd import settings as pd_settings
-from tests.gateway_helpers import EmbeddedFleet, assert_nothing_in_flight, gateway_settings, tokenizer
+from tests.gateway_helpers import (
+    EmbeddedFleet,
+    assert_nothing_in_flight,
+    gateway_settings,
+    scripted_upstreams,
+    tokenizer,
+)
+from tests.openai_helpers import openai_client
 from tests.otlp_receiver import OTLPReceiver, ReceivedSpan, running_receiver
-from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
+from tests.scripted_upstream import MODEL
+
+pytestmark = pytest.mark.usefixtures("close_openai_clients")
 
 MOCK_MODEL = "kvgate/mock-llm"
 CHUNK = 16
@@ -35,7 +44,7 @@ STAGES = [names.TOKENIZE, names.LOOKUP, names.SCHEDULE]
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(url)
 
 
 async def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
@@ -116,10 +125,8 @@ async def test_a_routed_completion_is_one_trace_of_the_planner_stages_and_the_fo
 
 @pytest.fixture
 async def upstreams():
-    started = [await ScriptedUpstream(name, Script()).start() for name in ("a", "b")]
-    yield started
-    for upstream in started:
-        await upstream.close()
+    async with scripted_upstreams("a", "b") as started:
+        yield list(started.values())
 
 
 async def test_the_clients_traceparent_is_continued_and_each_engine_gets_its_attempts(upstreams):

@@ -83,20 +83,31 @@ async def start(engines: list[FakeEventsEngine], **options) -> FakeEventsEngine:
     return engine
 
 
+async def start_followed(fleet: Fleet, engines: list[FakeEventsEngine], *instance_ids: str, replay: bool = True,
+                         **options) -> list[FakeEventsEngine]:
+    """Engines started and followed as `instance_ids`, once each one's subscription is open."""
+    started = [await start(engines, replay=replay, **options) for _ in instance_ids]
+    for instance_id, engine in zip(instance_ids, started, strict=True):
+        fleet.follow(instance_id, engine, replay=replay)
+    for engine in started:
+        await engine.wait_subscribed()
+    return started
+
+
+async def store_first_prompts(fleet: Fleet, prompts: dict[str, tuple[FakeEventsEngine, list[int]]]) -> None:
+    """Each engine publishes its prompt's blocks as its first batch, which the fleet then applies."""
+    for engine, prompt in prompts.values():
+        await engine.publish([engine.store_prompt(prompt)])
+    for instance_id in prompts:
+        await fleet.until_applied(instance_id, 0)
+
+
 @pytest.mark.parametrize("encoding", ["map", "array"])
 @pytest.mark.parametrize("int_hashes", [True, False])
 async def test_stores_and_removals_show_on_their_instance_only(fleet, engines, encoding, int_hashes):
-    e0 = await start(engines, encoding=encoding, int_hashes=int_hashes)
-    e1 = await start(engines, encoding=encoding, int_hashes=int_hashes)
-    fleet.follow("e0", e0)
-    fleet.follow("e1", e1)
-    await e0.wait_subscribed()
-    await e1.wait_subscribed()
+    e0, e1 = await start_followed(fleet, engines, "e0", "e1", encoding=encoding, int_hashes=int_hashes)
 
-    await e0.publish([e0.store_prompt(PROMPT)])
-    await e1.publish([e1.store_prompt(OTHER)])
-    await fleet.until_applied("e0", 0)
-    await fleet.until_applied("e1", 0)
+    await store_first_prompts(fleet, {"e0": (e0, PROMPT), "e1": (e1, OTHER)})
     assert fleet.hits(PROMPT) == {"e0": EnginePrefix(4 * BLOCK)}
     assert fleet.hits(OTHER) == {"e1": EnginePrefix(2 * BLOCK)}
     assert fleet.state("e0") == FeedState.SYNCED
@@ -124,9 +135,7 @@ async def test_stores_and_removals_show_on_their_instance_only(fleet, engines, e
 
 
 async def test_a_gap_is_replayed_from_the_last_sequence_seen(fleet, engines):
-    engine = await start(engines)
-    fleet.follow("e0", engine)
-    await engine.wait_subscribed()
+    [engine] = await start_followed(fleet, engines, "e0")
     hashes = engine.hashes(PROMPT)
     await engine.publish([engine.store_prompt(PROMPT[: 2 * BLOCK])])
     await engine.publish([engine.store_prompt(PROMPT, skip=2)], send=False)  # lost on the way
@@ -141,9 +150,7 @@ async def test_a_gap_is_replayed_from_the_last_sequence_seen(fleet, engines):
 
 
 async def test_a_gap_without_replay_forgets_what_may_be_stale(fleet, engines):
-    engine = await start(engines, replay=False)
-    fleet.follow("e0", engine, replay=False)
-    await engine.wait_subscribed()
+    [engine] = await start_followed(fleet, engines, "e0", replay=False)
     await engine.publish([engine.store_prompt(PROMPT)])
     await fleet.until_applied("e0", 0)
     # The engine evicts the prompt, but the subscriber never hears of it.
@@ -173,9 +180,7 @@ async def test_joining_late_replays_the_whole_history(fleet, engines):
 
 
 async def test_an_engine_that_dies_and_comes_back_starts_over(fleet, engines):
-    engine = await start(engines)
-    fleet.follow("e0", engine)
-    await engine.wait_subscribed()
+    [engine] = await start_followed(fleet, engines, "e0")
     await engine.publish([engine.store_prompt(PROMPT)])
     await engine.publish([engine.store_prompt(OTHER)])
     await fleet.until_applied("e0", 1)
@@ -222,9 +227,7 @@ async def test_a_restart_after_a_replay_is_still_a_restart(fleet, engines):
 
 
 async def test_a_block_whose_parent_is_unknown_is_indexed_but_no_prefix_starts_there(fleet, engines):
-    engine = await start(engines)
-    fleet.follow("e0", engine)
-    await engine.wait_subscribed()
+    [engine] = await start_followed(fleet, engines, "e0")
     await engine.publish([engine.store_prompt(PROMPT, skip=2)])
     await fleet.until_applied("e0", 0)
     assert fleet.metric("kvgate_kv_events_orphan_blocks_total", instance="e0") == 2
@@ -251,9 +254,7 @@ async def test_an_engine_that_never_publishes_is_unknown_not_empty(fleet, engine
 
 
 async def test_garbage_is_counted_and_dropped_and_the_feed_goes_on(fleet, engines):
-    engine = await start(engines, replay=False)
-    fleet.follow("e0", engine, replay=False)
-    await engine.wait_subscribed()
+    [engine] = await start_followed(fleet, engines, "e0", replay=False)
     await engine.publish([engine.store_prompt(PROMPT)])
     await fleet.until_applied("e0", 0)
     await engine.publish([], payload=b"\xc1 not msgpack")
@@ -280,15 +281,8 @@ async def test_garbage_is_counted_and_dropped_and_the_feed_goes_on(fleet, engine
 
 
 async def test_removed_drained_or_ejected_instances_are_forgotten(fleet, engines):
-    e0, e1 = await start(engines), await start(engines)
-    fleet.follow("e0", e0)
-    fleet.follow("e1", e1)
-    await e0.wait_subscribed()
-    await e1.wait_subscribed()
-    await e0.publish([e0.store_prompt(PROMPT)])
-    await e1.publish([e1.store_prompt(PROMPT)])
-    await fleet.until_applied("e0", 0)
-    await fleet.until_applied("e1", 0)
+    e0, e1 = await start_followed(fleet, engines, "e0", "e1")
+    await store_first_prompts(fleet, {"e0": (e0, PROMPT), "e1": (e1, PROMPT)})
     assert set(fleet.hits(PROMPT)) == {"e0", "e1"}
 
     fleet.follow("e1", e1, active=False)  # drained or ejected
@@ -309,9 +303,7 @@ async def test_removed_drained_or_ejected_instances_are_forgotten(fleet, engines
 async def test_a_full_instance_cap_drops_further_blocks(engines):
     fleet = Fleet(Settings(kvs_chunk_size=BLOCK, kv_events_max_blocks_per_instance=3))
     try:
-        engine = await start(engines, replay=False)
-        fleet.follow("e0", engine, replay=False)
-        await engine.wait_subscribed()
+        [engine] = await start_followed(fleet, engines, "e0", replay=False)
         await engine.publish([engine.store_prompt(PROMPT)])
         await fleet.until_applied("e0", 0)
         assert fleet.hits(PROMPT) == {"e0": EnginePrefix(3 * BLOCK)}

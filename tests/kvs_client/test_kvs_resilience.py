@@ -188,14 +188,21 @@ async def test_down_store_is_skipped_then_one_probe_brings_it_back(fake_master):
     await client.close()
 
 
-async def test_lookups_arriving_during_the_probe_stay_skipped(fake_master):
-    client = _client(fake_master.url)
+async def _start_slow_probe(client: ResilientKVSClient, fake_master: FakeMaster, delay_s: float) -> asyncio.Task:
+    """Marks the store down, waits out the down period and starts the probe, which the master (healthy
+    again) answers after `delay_s`; returns once the probe's request is under way."""
     fake_master.mode = "http_500"
     await client.lookup(["k0"])
     await asyncio.sleep(DOWN_S + 0.05)
-    fake_master.mode, fake_master.delay_s = "ok", 0.05
+    fake_master.mode, fake_master.delay_s = "ok", delay_s
     probe = asyncio.create_task(client.lookup(["k0"]))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(delay_s / 5)
+    return probe
+
+
+async def test_lookups_arriving_during_the_probe_stay_skipped(fake_master):
+    client = _client(fake_master.url)
+    probe = await _start_slow_probe(client, fake_master, 0.05)
     during = await asyncio.gather(*(client.lookup(["k0"]) for _ in range(3)))
     assert [lookup.status for lookup in during] == ["down"] * 3
     assert (await probe).status == "ok"
@@ -206,12 +213,7 @@ async def test_lookups_arriving_during_the_probe_stay_skipped(fake_master):
 
 async def test_a_cancelled_probe_does_not_wedge_the_client(fake_master):
     client = _client(fake_master.url)
-    fake_master.mode = "http_500"
-    await client.lookup(["k0"])
-    await asyncio.sleep(DOWN_S + 0.05)
-    fake_master.mode, fake_master.delay_s = "ok", 0.1
-    probe = asyncio.create_task(client.lookup(["k0"]))
-    await asyncio.sleep(0.02)
+    probe = await _start_slow_probe(client, fake_master, 0.1)
     probe.cancel()
     with pytest.raises(asyncio.CancelledError):
         await probe

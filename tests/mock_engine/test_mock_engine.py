@@ -7,6 +7,7 @@ waits, never a machine's speed: each compares two requests measured in the same 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -234,26 +235,25 @@ async def test_metrics_use_vllm_names(engine_factory):
     assert samples["vllm:time_to_first_token_seconds_count"].value == 2
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "param"),
-    [
-        (b"{not json", 400, None),
-        (b"[1, 2]", 400, None),
-        (b'{"prompt": [1, 2]}', 400, "model"),
-        (b'{"model": "kvgate/mock-llm", "prompt": []}', 400, "prompt"),
-        (b'{"model": "kvgate/mock-llm", "prompt": ""}', 400, "prompt"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, -2]}', 400, "prompt"),
-        (b'{"model": "kvgate/mock-llm", "prompt": ["a", "b"]}', 400, "prompt"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": 0}', 400, "max_tokens"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": "3"}', 400, "max_tokens"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "stream": "yes"}', 400, "stream"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "n": 0}', 400, "n"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "n": 1099511627776, "stream": true}', 400, "n"),
-        (b'{"model": "other", "prompt": [1, 2]}', 404, "model"),
-        (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "max_tokens": 1000000}', 400, "max_tokens"),
-        (b'{"model": "kvgate/mock-llm", "prompt": "text needs a tokenizer"}', 400, "prompt"),
-    ],
-)
+# A valid request, {"model": MODEL, "prompt": [1, 2]}, with one field made wrong: field -> its wrong values.
+WRONG_FIELDS = {
+    "prompt": ([], "", [1, -2], ["a", "b"], "text needs a tokenizer"),
+    "max_tokens": (0, "3", 1_000_000),
+    "stream": ("yes",),
+    "n": (0,),
+}
+BAD_COMPLETION_BODIES = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"prompt": [1, 2]}', 400, "model"),
+    (b'{"model": "other", "prompt": [1, 2]}', 404, "model"),
+    (b'{"model": "kvgate/mock-llm", "prompt": [1, 2], "n": 1099511627776, "stream": true}', 400, "n"),
+    *((json.dumps({"model": MODEL, "prompt": [1, 2], field: value}).encode(), 400, field)
+      for field, values in WRONG_FIELDS.items() for value in values),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETION_BODIES)
 async def test_bad_completion_requests_get_openai_errors(engine_factory, body, status, param):
     engine = await engine_factory(time_scale=0.0)
     async with (
