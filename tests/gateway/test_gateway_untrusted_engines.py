@@ -374,13 +374,15 @@ async def test_a_request_still_connecting_when_its_instance_is_ejected_fails_ove
         await stalled.close()
 
 
-async def test_a_whole_answer_waits_on_a_silent_engine_only_as_long_as_the_operator_says():
+async def test_a_whole_answer_waits_on_a_silent_engine_only_as_long_as_the_operator_says(caplog):
     hung = await HungEngine().start()
     handle = await start({"hung": hung.url, "gone": closed_port_url()}, upstream_whole_answer_timeout_s=0.3)
     try:
-        with pytest.raises(openai.APIStatusError) as failed:
+        with pytest.raises(openai.APIStatusError) as failed, caplog.at_level(logging.WARNING):
             await asyncio.wait_for(client(handle.url).completions.create(model=MODEL, prompt=PROMPT), 10)
         assert failed.value.status_code == 502
+        # The log names the limit that was reached (the whole-answer one, not the streams' first-byte one).
+        assert any("no first byte within 0.3 s" in r.getMessage() for r in gateway_records(caplog))
         await wait_until(lambda: hung.generations == 1 and hung.open == 0)  # its connection was closed
         await assert_nothing_in_flight(handle)
     finally:

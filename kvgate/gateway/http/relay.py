@@ -163,7 +163,8 @@ def unavailable(request_id: str, failures: Sequence[str], tried: str = "instance
 
 def describe(exc: BaseException) -> str:
     if isinstance(exc, FirstByteTimeout):
-        return "no first byte within --upstream-first-byte-timeout-s"
+        # Streams wait --upstream-first-byte-timeout-s, whole answers --upstream-whole-answer-timeout-s.
+        return str(exc)
     if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -44,6 +44,10 @@ class UpstreamError(Exception):
 class FirstByteTimeout(TimeoutError):
     """No body byte came within the first-byte timeout (a hung engine, or one far too busy)."""
 
+    def __init__(self, after_s: float) -> None:
+        super().__init__(f"no first byte within {after_s:g} s")
+        self.after_s = after_s
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -291,7 +295,7 @@ class _Connection(asyncio.Protocol):
             if due > now:
                 self._timer = self.loop.call_at(due, self._check_timeout)
                 return
-            self._fail(FirstByteTimeout())
+            self._fail(FirstByteTimeout(self._first_byte_timeout_s))
             self._close()
             return
         # While paused no bytes can come; resuming restarts the wait (read_chunk sets _last_data).
