@@ -49,6 +49,7 @@ from kvgate.kvs_client.events import events_enabled
 from kvgate.kvs_client.events.index import EventsIndex
 from kvgate.kvs_client.events.subscriber import EventsSubscriber
 from kvgate.kvs_client.events.view import EventsView
+from kvgate.metrics.computed import COPY_INTERVAL_S, ComputedGauges
 from kvgate.metrics.definitions import (
     KVEventsLookupMetrics,
     account_sync_metrics,
@@ -95,7 +96,8 @@ def build_gateway(
         tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer, settings.chat_template),
         cache_bytes=settings.tokenize_cache_bytes,
     )
-    metrics.tokenize_cache_bytes.set_function(lambda: tokenizer_service.cached_bytes)
+    computed = ComputedGauges(into_files=shared is not None)  # workers merge their metrics from files
+    computed.bind(metrics.tokenize_cache_bytes, lambda: tokenizer_service.cached_bytes)
     prompt_limit = PromptLimit(settings.max_prompt_tokens, tokenizer_service.tokenizer, settings.instances)
 
     def instances_changed(instances: tuple[InstanceConfig, ...]) -> None:
@@ -124,11 +126,12 @@ def build_gateway(
     hits = HitAccounting(hit_metrics(prometheus), settings.kvs_chunk_size)
     outliers = OutlierDetector(registry, metrics, settings.outlier_consecutive_failures, settings.outlier_ejection_s)
     feedback = DispatchFeedback(tracker, metrics, outliers, hits,
-                                TTFTFeedback(scheduler, ttft_metrics(prometheus)))
+                                TTFTFeedback(scheduler, ttft_metrics(prometheus), computed))
     gateway = Gateway(settings, prometheus, metrics, registry, scheduler, account, tracker, tokenizer_service, kvs,
-                      planner, hits, auth_failures, feedback, decode_ledger, shared=shared, events=events)
+                      planner, hits, auth_failures, feedback, decode_ledger, computed=computed, shared=shared,
+                      events=events)
     if scheduler.prfaas is not None:
-        gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus))
+        gateway.prfaas = PrfaasLink(scheduler.prfaas, prfaas_metrics(prometheus), computed)
     gateway.tracing = start_tracing(settings, events is not None)
     for state in registry.states():
         metrics.instance_healthy.labels(state.id).set(1)
@@ -190,6 +193,7 @@ async def running_fleet(gateway: Gateway, front_door_jobs: Sequence[Job] = ()) -
 
     jobs: list[Job] = [
         (EXPIRY_INTERVAL_S, expire, "account expiry"),
+        *([(COPY_INTERVAL_S, gateway.computed.copy_job, "computed gauges")] if gateway.computed.copying else []),
         (settings.health_check_interval_s, context_probe.learn_all, "engine context lengths"),
         *front_door_jobs,
     ]

@@ -20,6 +20,7 @@ from kvgate.gateway.planning.routing import RoutePlanner
 from kvgate.gateway.planning.tokenizer import TokenizerService
 from kvgate.kvs_client import ResilientKVSClient
 from kvgate.kvs_client.events.view import EventsView
+from kvgate.metrics.computed import ComputedGauges
 from kvgate.metrics.definitions import GatewayMetrics
 from kvgate.scheduler.account import LoadAccount
 from kvgate.scheduler.decode import DecodeLedger
@@ -54,7 +55,8 @@ class Gateway:
     # The Prefill-as-a-Service rule's link and gauges (None without --prfaas-cluster).
     prfaas: PrfaasLink | None = None
     started: int = field(default_factory=lambda: int(time.time()))
-    # The HTTP front door's, set when its application starts (it needs the running loop).
+    # Gauges computed from the state above (a cache's size, calibration factors, the PrfaaS link).
+    computed: ComputedGauges = field(default_factory=lambda: ComputedGauges(into_files=False))
     # One worker of several (`kvgate serve --workers N`): the memory it shares with the others.
     shared: WorkerShare | None = None
     # The engines' KV events index (docs/KV_EVENTS.md); None when no instance publishes events.

@@ -68,11 +68,12 @@ def ttft_metrics(registry: CollectorRegistry) -> TTFTMetrics:
         calibration_factor=Gauge(
             "kvgate_ttft_calibration_factor",
             "Per-instance factor the TTFT model applies to its profile's compute (queue + prefill) or transfer.",
-            ["instance", "term"], registry=registry,
+            # Each worker calibrates on its own requests: the one whose factor moved last is shown.
+            ["instance", "term"], registry=registry, multiprocess_mode="livemostrecent",
         ),
         calibration_observations=Gauge(
             "kvgate_ttft_calibration_observations", "Measured TTFTs the instance's calibration has used.",
-            ["instance"], registry=registry,
+            ["instance"], registry=registry, multiprocess_mode="livesum",
         ),
     )
 
@@ -166,7 +167,7 @@ def gateway_metrics(registry: CollectorRegistry) -> GatewayMetrics:
         ),
         tokenize_cache_bytes=Gauge(
             "kvgate_tokenize_cache_bytes", "Bytes held by the tokenize cache (bounded by --tokenize-cache-bytes).",
-            registry=registry,
+            registry=registry, multiprocess_mode="livesum",  # one cache per worker
         ),
         # Set by the health checks, which run in one worker: "livemax" reports its value once.
         routing_panic=Gauge(
@@ -300,20 +301,21 @@ def prfaas_metrics(registry: CollectorRegistry) -> PrfaasMetrics:
         egress_gbps=Gauge(
             "kvgate_prfaas_egress_gbps",
             "Estimated KV egress on the PrfaaS -> local link over --prfaas-link-window-s, Gbit/s.",
-            registry=registry,
+            registry=registry, multiprocess_mode="livesum",  # each worker counts its own requests' bytes
         ),
         link_utilisation=Gauge(
             "kvgate_prfaas_link_utilisation", "The egress estimate over --prfaas-egress-gbps.", registry=registry,
+            multiprocess_mode="livesum",
         ),
         threshold_tokens=Gauge(
             "kvgate_prfaas_threshold_tokens",
             "Offload threshold in force (incremental prompt tokens), as adapted within its bounds.",
-            registry=registry,
+            registry=registry, multiprocess_mode="livemostrecent",
         ),
         offload_fraction=Gauge(
             "kvgate_prfaas_offload_fraction",
             "Share of the disaggregated requests within the link window prefilled in the PrfaaS cluster.",
-            registry=registry,
+            registry=registry, multiprocess_mode="livemostrecent",
         ),
         decisions=Counter(
             "kvgate_prfaas_decisions", "Disaggregated requests by the cluster that prefilled them.", ["cluster"],

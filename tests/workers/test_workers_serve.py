@@ -130,6 +130,50 @@ async def test_workers_share_one_account_one_prober_and_survive_a_crash(tmp_path
             process.wait()
 
 
+async def test_gauges_computed_in_each_worker_reach_the_whole_gateways_metrics(tmp_path, upstream):
+    """The tokenize cache and the TTFT calibration are each worker's own; /metrics, whichever worker
+    answers, shows them merged (not the 0 a computed gauge reads from prometheus-client's files)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start_workers(tmp_path, upstream.url, port)
+    try:
+        await wait_listening(process, url)
+        answered_by: dict[str, int] = {}
+        for n in range(40):  # fresh connections: the kernel spreads them over both workers
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session, \
+                    session.post(url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": f"prompt {n} " * 50, "max_tokens": 2}) as response:
+                assert response.status == 200
+                worker = response.headers[WORKER_HEADER].split(":")[0]
+                answered_by[worker] = answered_by.get(worker, 0) + 1
+        assert len(answered_by) == 2, answered_by
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = await whole_gateway_metrics(url)
+            observations = metrics.get(("kvgate_ttft_calibration_observations", (("instance", "e0"),)), 0)
+            if observations == 40 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.3)
+        assert observations == 40  # both workers' calibrations, summed
+        assert metrics[("kvgate_tokenize_cache_bytes", ())] > 0
+        assert metrics[("kvgate_ttft_calibration_factor", (("instance", "e0"), ("term", "compute")))] > 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def whole_gateway_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
 async def admin_instances(url: str) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session, \
             session.get(url + "/admin/instances", headers={"Authorization": "Bearer t"}) as response:

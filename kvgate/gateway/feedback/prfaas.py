@@ -12,20 +12,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvgate.metrics.computed import ComputedGauges
 from kvgate.metrics.definitions import PrfaasMetrics
 from kvgate.scheduler.prfaas import ClusterDecision, PrfaasRouter
 
 
 class PrfaasLink:
-    def __init__(self, router: PrfaasRouter, metrics: PrfaasMetrics,
+    def __init__(self, router: PrfaasRouter, metrics: PrfaasMetrics, computed: ComputedGauges,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._router = router
         self._metrics = metrics
         self._clock = clock
-        metrics.egress_gbps.set_function(lambda: router.egress_gbps(clock()))
-        metrics.link_utilisation.set_function(lambda: router.link.utilisation(clock()))
-        metrics.threshold_tokens.set_function(lambda: router.controller.threshold)
-        metrics.offload_fraction.set_function(lambda: router.offload_fraction(clock()))
+        computed.bind(metrics.egress_gbps, lambda: router.egress_gbps(clock()))
+        computed.bind(metrics.link_utilisation, lambda: router.link.utilisation(clock()))
+        computed.bind(metrics.threshold_tokens, lambda: router.controller.threshold)
+        computed.bind(metrics.offload_fraction, lambda: router.offload_fraction(clock()))
 
     def dispatched(self, decision: ClusterDecision) -> None:
         self._metrics.decisions.labels(decision.cluster).inc()

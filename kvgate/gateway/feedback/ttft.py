@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvgate.gateway.planning.routing import RoutePlan
+from kvgate.metrics.computed import ComputedGauges
 from kvgate.metrics.definitions import TTFTMetrics
 from kvgate.scheduler.router import Scheduler
 from kvgate.scheduler.types import TTFTPrediction
@@ -19,10 +20,12 @@ from kvgate.scheduler.types import TTFTPrediction
 
 class TTFTFeedback:
     def __init__(
-        self, scheduler: Scheduler, metrics: TTFTMetrics, clock: Callable[[], float] = time.monotonic
+        self, scheduler: Scheduler, metrics: TTFTMetrics, computed: ComputedGauges,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._scheduler = scheduler
         self._metrics = metrics
+        self._computed = computed
         self._clock = clock
         self._exported: set[str] = set()
 
@@ -43,10 +46,10 @@ class TTFTFeedback:
     def _export(self, instance_id: str) -> None:
         calibration = self._scheduler.ttft.calibration
         factor = self._metrics.calibration_factor
-        factor.labels(instance_id, "compute").set_function(lambda: calibration.factors(instance_id)[0])
-        factor.labels(instance_id, "transfer").set_function(lambda: calibration.factors(instance_id)[1])
-        self._metrics.calibration_observations.labels(instance_id).set_function(
-            lambda: calibration.observations(instance_id))
+        self._computed.bind(factor.labels(instance_id, "compute"), lambda: calibration.factors(instance_id)[0])
+        self._computed.bind(factor.labels(instance_id, "transfer"), lambda: calibration.factors(instance_id)[1])
+        self._computed.bind(self._metrics.calibration_observations.labels(instance_id),
+                            lambda: calibration.observations(instance_id))
         self._exported.add(instance_id)
 
 
