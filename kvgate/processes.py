@@ -6,6 +6,7 @@ Used by the service launchers (kvs_client/launch.py), the benchmarks and the tes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -169,3 +170,14 @@ def find_program(name: str) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc): a gateway with workers is a supervisor and its children."""
+    pids, index = [pid], 0
+    while index < len(pids):
+        for task in Path(f"/proc/{pids[index]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pids += [int(child) for child in task.read_text().split()]
+        index += 1
+    return pids

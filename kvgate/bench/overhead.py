@@ -57,7 +57,7 @@ from kvgate.bench.loadgen import OVERHEAD_PROMPT, ClosedLoopResult, closed_loop_
 from kvgate.bench.routers.processes import Engine, cpu_split, instant_backends, pinned, router
 from kvgate.bench.routers.targets import DIRECT, OVERHEAD_CACHE_AWARE_MIN_TOKENS, Target
 from kvgate.mock_engine.server import DEFAULT_MODEL
-from kvgate.processes import LocalProcess, free_port
+from kvgate.processes import LocalProcess, free_port, process_tree
 
 _START_TIMEOUT_S = 90.0
 
@@ -188,21 +188,10 @@ def _listening(base_url: str) -> bool:
         return False
 
 
-def _process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (a gateway with workers is a supervisor and its children)."""
-    pids, index = [pid], 0
-    while index < len(pids):
-        for task in Path(f"/proc/{pids[index]}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                pids += [int(child) for child in task.read_text().split()]
-        index += 1
-    return pids
-
-
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of `pid` and its descendants (Linux /proc), None elsewhere."""
     total = 0.0
-    for member in _process_tree(pid):
+    for member in process_tree(pid):
         try:
             fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from kvgate.gateway.fleet.account_sync import KEY_PREFIX
 from kvgate.kvs_client.launch import LocalProcess, RedisServerProcess, free_port, start_redis_server
+from kvgate.processes import process_tree
 
 MODEL = "kvgate/mock-llm"
 LYING_MODEL = "kvgate/lying-llm"  # served by the lying engine alone
@@ -133,9 +134,14 @@ class SoakReport:
 
 
 def sample_process(pid: int, label: str) -> ProcessSample:
-    with open(f"/proc/{pid}/status") as status:
-        rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    return ProcessSample(label, rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd")))
+    """RSS and open files of `pid` and its descendants (the supervisor and its workers)."""
+    rss_kb = open_files = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):  # a worker restarting
+            with open(f"/proc/{member}/status") as status:
+                rss_kb += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+            open_files += len(os.listdir(f"/proc/{member}/fd"))
+    return ProcessSample(label, rss_kb / 1024, open_files)
 
 
 def _answers(url: str) -> bool:
