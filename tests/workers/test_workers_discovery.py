@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
