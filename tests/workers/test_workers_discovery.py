@@ -165,7 +165,7 @@ async def test_an_engine_added_to_the_file_is_routed_to_by_every_worker(tmp_path
 
 
 async def test_an_engine_removed_from_the_file_takes_no_new_request_and_finishes_its_stream(tmp_path, engines):
-    engines["b"].script = Script(chunks=100, delay_s=0.05)  # a stream of about five seconds
+    engines["b"].script = Script(chunks=200, delay_s=0.05)  # a stream of about ten seconds
     async with discovering_gateway(tmp_path, engines, "b") as (url, path):
         await wait_fleets(url, "b")
         streaming = asyncio.create_task(read_streamed_completion(url, MODEL))
@@ -176,7 +176,7 @@ async def test_an_engine_removed_from_the_file_takes_no_new_request_and_finishes
         assert {engine for a in answered.values() for engine in a} == {"a"}
         assert len(engines["b"].seen) == 1 and engines["b"].open_streams == 1  # still streaming, alone
         body = await asyncio.wait_for(streaming, WAIT_S)
-        assert b"b-99" in body and body.endswith(b"data: [DONE]\n\n")
+        assert b"b-199" in body and body.endswith(b"data: [DONE]\n\n")
         assert engines["b"].cancelled == 0
         await nothing_in_flight(url)
         # b back under the same id: whichever worker relayed its stream counts nothing left from it.
