@@ -1,11 +1,13 @@
 """Applies a desired fleet, as a discovery source last saw it, to the running gateway.
 
-The reconciler owns only the instances it added: instances from the settings' `instances` list or
-added through the admin routes are never touched, and a discovered instance whose id is already
-taken by one of those is refused (logged and counted) rather than replacing it. An instance whose
-configuration changed (a relabelled pod: new role or model) is removed and added again; its
-requests already sent finish normally. Every change goes through `FleetControl`, in the gateway the
-same functions the admin routes call (kvgate/gateway/fleet/changes.py).
+The reconciler owns only the instances discovery added, which the registry marks (so the leader
+worker of `kvgate serve --workers N`, restarted, takes up those it had added before): instances from
+the settings' `instances` list or added through the admin routes are never touched, and a
+discovered instance whose id is already taken by one of those is refused (logged and counted)
+rather than replacing it. An instance whose configuration changed (a relabelled pod: new role or
+model) is removed and added again; its requests already sent finish normally. Every change goes
+through `FleetControl`, in the gateway the same functions the admin routes call
+(kvgate/gateway/fleet/changes.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class FleetControl(Protocol):
     def ids(self) -> set[str]:
         """Every instance id the gateway holds now, discovered or not."""
 
+    def discovered(self) -> Mapping[str, InstanceConfig]:
+        """The instances discovery added and the gateway still holds, by id."""
+
     def add(self, config: InstanceConfig) -> None:
         """Add an instance; raises ValueError (refused, id taken, table full) saying why not."""
 
@@ -36,7 +41,9 @@ class FleetReconciler:
         self._fleet = fleet
         self._metrics = metrics
         self._source = source
-        self._owned: dict[str, InstanceConfig] = {}
+        # With --workers N the instances outlive the leader worker that follows the source: restarted,
+        # it takes up those it had added (else it refused them as taken ids and never removed them).
+        self._owned: dict[str, InstanceConfig] = dict(fleet.discovered())
         # Refused configurations are not tried again (nor logged again) until they change.
         self._refused: dict[str, InstanceConfig] = {}
 

@@ -17,7 +17,7 @@ from kvgate.gateway.fleet.registry import (
     RegistryError,
     RegistryFull,
 )
-from kvgate.workers.shared_table import DRAINING, EJECTED, SharedTable, TableFull
+from kvgate.workers.shared_table import DISCOVERED, DRAINING, EJECTED, SharedTable, TableFull
 
 
 class SharedRegistry(InstanceRegistry):
@@ -64,12 +64,12 @@ class SharedRegistry(InstanceRegistry):
 
     # --- changes: the table under its lock ---
 
-    def add(self, config: InstanceConfig) -> InstanceState:
+    def add(self, config: InstanceConfig, discovered: bool = False) -> InstanceState:
         with self._table.changing():
             if self._table.find(config.id) is not None:
                 raise RegistryError(f"instance {config.id!r} already exists")
             try:
-                self._table.add(config)
+                self._table.add(config, DISCOVERED if discovered else 0)
             except (TableFull, ValueError) as exc:
                 raise RegistryFull(str(exc)) from None
         return self._require_synced(config.id)
@@ -122,7 +122,7 @@ class SharedRegistry(InstanceRegistry):
         for entry in entries:
             state = self._states.get(entry.config.id)
             if state is None or self._generations.get(entry.config.id) != entry.generation:
-                state = InstanceState(entry.config)
+                state = InstanceState(entry.config, discovered=bool(entry.flags & DISCOVERED))
             state.draining = bool(entry.flags & DRAINING)
             state.healthy = not entry.flags & EJECTED
             states[entry.config.id] = state

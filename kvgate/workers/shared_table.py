@@ -44,8 +44,9 @@ _COUNT_WORDS = 4
 _ENGINE_WORDS = 5
 _ENGINE = struct.Struct("qdqqd")
 _READ_TIMEOUT_S = 5.0
-# Slot flags.
-USED, DRAINING, EJECTED = 1, 2, 4
+# Slot flags. DISCOVERED marks an instance discovery added: it outlives the leader worker that added it,
+# and the restarted leader takes it up again (kvgate/discovery/reconciler.py).
+USED, DRAINING, EJECTED, DISCOVERED = 1, 2, 4, 8
 
 
 class TableFull(RuntimeError):
@@ -169,8 +170,8 @@ class SharedTable:
                     return entry
         return None
 
-    def add(self, config: InstanceConfig) -> None:
-        """Put an instance in a free slot (call inside `changing`)."""
+    def add(self, config: InstanceConfig, flags: int = 0) -> None:
+        """Put an instance in a free slot with `flags` (call inside `changing`)."""
         data = config.model_dump_json().encode()
         if len(data) > CONFIG_BYTES:
             raise ValueError(f"instance {config.id!r}: its configuration exceeds {CONFIG_BYTES} bytes")
@@ -185,7 +186,7 @@ class SharedTable:
             self._map[start : start + len(data)] = data
             self._q[base + 2] = len(data)
             self._q[base] = generation
-            self._q[base + 1] = USED
+            self._q[base + 1] = USED | flags
 
     def set_flags(self, slot: int, flags: int) -> None:
         """Replace an instance's flags (call inside `changing`); USED is kept."""

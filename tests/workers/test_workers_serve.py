@@ -34,12 +34,14 @@ async def upstream() -> AsyncIterator[ScriptedUpstream]:
     await engine.close()
 
 
-def start_workers(tmp_path, upstream_url: str, port: int) -> subprocess.Popen:
+def start_workers(tmp_path, upstream_url: str, port: int, **overrides) -> subprocess.Popen:
+    """Two workers in front of e0 at `upstream_url`; `overrides` replace or add settings (file keys)."""
     config = tmp_path / "gateway.yaml"
     config.write_text(orjson.dumps({
         "port": port, "workers": 2, "admin_token": "t", "kvs_backend": "embedded", "workers_max_instances": 2,
         "stats_poll_interval_s": 0.2, "health_check_interval_s": 0.2,
         "instances": [{"id": "e0", "url": upstream_url, "model": MODEL}],
+        **overrides,
     }).decode())  # JSON is YAML
     return subprocess.Popen([sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -118,6 +118,17 @@ def test_health_judged_by_the_leader_holds_everywhere(table, tmp_path):
     assert other.get("b").healthy
 
 
+def test_an_instance_discovery_added_stays_marked_so_for_every_worker(table, tmp_path):
+    """The mark is what a restarted leader worker takes its discovered instances up by."""
+    leader = SharedRegistry(SharedTable.attach(table.path, str(tmp_path / "lock")))
+    leader.add(instance("c"), discovered=True)
+    leader.record_health("c", ok=False, failures_to_eject=1)
+    leader.drain("c")
+    restarted = SharedRegistry(SharedTable.attach(table.path, str(tmp_path / "lock")))
+    assert [s.id for s in restarted.states() if s.discovered] == ["c"]
+    assert not restarted.get("c").healthy and restarted.get("c").draining
+
+
 def test_a_full_table_refuses_the_instance(table, tmp_path):
     registry = SharedRegistry(SharedTable.attach(table.path, str(tmp_path / "lock")))
     registry.add(instance("c"))

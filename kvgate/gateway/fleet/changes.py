@@ -26,9 +26,10 @@ class InstanceRefused(ValueError):
         self.code = code
 
 
-def add_instance(gateway: Gateway, config: InstanceConfig) -> InstanceState:
-    """Check `config` and add it to the registry. Raises InstanceRefused, or the registry's
-    RegistryError (id taken) / RegistryFull (no room in the workers' shared table)."""
+def add_instance(gateway: Gateway, config: InstanceConfig, discovered: bool = False) -> InstanceState:
+    """Check `config` and add it to the registry (`discovered`: by fleet discovery). Raises
+    InstanceRefused, or the registry's RegistryError (id taken) / RegistryFull (no room in the
+    workers' shared table)."""
     try:
         check_url_in_networks(config.url, parse_networks(gateway.settings.instance_networks))
     except ValueError as exc:
@@ -42,7 +43,7 @@ def add_instance(gateway: Gateway, config: InstanceConfig) -> InstanceState:
         check_lora_adapters([*gateway.registry.configs(), config])
     except ValueError as exc:
         raise InstanceRefused(f"invalid instance 'lora_adapters': {exc}", "lora_adapters") from None
-    state = gateway.registry.add(config)
+    state = gateway.registry.add(config, discovered)
     gateway.metrics.instance_healthy.labels(state.id).set(1)
     return state
 
@@ -63,8 +64,11 @@ class GatewayFleet:
     def ids(self) -> set[str]:
         return {state.id for state in self._gateway.registry.states()}
 
+    def discovered(self) -> dict[str, InstanceConfig]:
+        return {state.id: state.config for state in self._gateway.registry.states() if state.discovered}
+
     def add(self, config: InstanceConfig) -> None:
-        add_instance(self._gateway, config)
+        add_instance(self._gateway, config, discovered=True)
 
     def remove(self, instance_id: str) -> None:
         remove_instance(self._gateway, instance_id)

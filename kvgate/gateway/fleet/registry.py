@@ -35,6 +35,7 @@ class InstanceState:
     failed_requests: int = 0  # failed requests in a row (passive outlier detection)
     outlier_until: float = 0.0  # time.monotonic() before which health checks do not readmit it
     panic: bool = False  # ejected, yet routable: every instance of its model and role is ejected
+    discovered: bool = False  # added by fleet discovery (kvgate/discovery/), which alone may remove it
 
     @property
     def id(self) -> str:
@@ -114,10 +115,10 @@ class InstanceRegistry:
         """True while ejected instances of `model` are routed to because no instance of their role is healthy."""
         return any(s.panic for s in self._states.values() if s.config.serves(model))
 
-    def add(self, config: InstanceConfig) -> InstanceState:
+    def add(self, config: InstanceConfig, discovered: bool = False) -> InstanceState:
         if config.id in self._states:
             raise RegistryError(f"instance {config.id!r} already exists")
-        state = self._states[config.id] = InstanceState(config)
+        state = self._states[config.id] = InstanceState(config, discovered=discovered)
         self._changed()
         self.update_panic(config.model)
         return state
