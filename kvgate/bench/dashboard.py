@@ -71,12 +71,12 @@ def grouping_labels(expr: str) -> set[str]:
 
 @dataclasses.dataclass
 class DashboardFleet:
-    """Gateways (URLs in `cache_aware` and `pd`) and their engines; `dead_instance` never answers."""
+    """Gateways (URLs in `cache_aware` and `pd`) and their engines; the cache-aware gateways' instance
+    `a-dead` never answers."""
 
     cache_aware: list[GatewayHandle]
     pd: GatewayHandle
     engines: list[MockEngineHandle]
-    dead_instance: str = "a-dead"
 
     @property
     def gateways(self) -> list[GatewayHandle]:

@@ -47,10 +47,6 @@ class FleetReconciler:
         # Refused configurations are not tried again (nor logged again) until they change.
         self._refused: dict[str, InstanceConfig] = {}
 
-    @property
-    def owned(self) -> Mapping[str, InstanceConfig]:
-        return self._owned
-
     def apply(self, desired: Mapping[str, InstanceConfig]) -> None:
         """Make the discovered part of the fleet equal to `desired` (instance id -> config)."""
         present = self._fleet.ids()

@@ -54,7 +54,6 @@ METRICS: dict[str, MetricFactory] = {
 POLICY_NAMES = tuple(POLICIES)
 # ConfigError messages start as the loader's do.
 _HEADER = "configuration error:\n  "
-METRIC_NAMES = tuple(METRICS)
 
 
 def build_metrics(settings: Settings) -> dict[str, SchedulingMetric]:
