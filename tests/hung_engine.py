@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 class HungEngine:
@@ -32,6 +33,8 @@ class HungEngine:
     async def close(self) -> None:
         for writer in self._writers:
             writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
