@@ -159,11 +159,10 @@ async def test_gauges_computed_in_each_worker_reach_the_whole_gateways_metrics(t
         assert observations == 40  # both workers' calibrations, summed
         assert metrics[("kvgate_tokenize_cache_bytes", ())] > 0
         assert metrics[("kvgate_ttft_calibration_factor", (("instance", "e0"), ("term", "compute")))] > 0
-    finally:
         process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
             process.kill()
             process.wait()
 
