@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import struct
 from collections.abc import Iterator
 
 from kvgate.gateway.http.key_limits import TokenBucket
+from kvgate.workers.shared_table import map_words
 
 _WORD = 8
 _HEADER_WORDS = 2
@@ -41,15 +41,12 @@ def key_slots(keys_at_start: int) -> int:
 
 
 class SharedKeyLimits:
-    """A view of the key limits block; `create` in the supervisor, `attach` in each worker."""
+    """A view of the key limits block: `create`d by the supervisor, opened by each worker."""
 
     def __init__(self, path: str, lock_path: str) -> None:
         self.path = path
         self.lock_path = lock_path
-        with open(path, "r+b") as file:
-            self._map = mmap.mmap(file.fileno(), 0)
-        self._q = memoryview(self._map).cast("q")
-        self._d = memoryview(self._map).cast("d")
+        self._map, self._q, self._d = map_words(path)
         self.capacity, self.writers = self._q[0], self._q[1]
         self._rows_at = _HEADER_WORDS + self.capacity * _SLOT_WORDS
         self._key_rows = struct.Struct(f"{self.writers}q")
@@ -63,14 +60,10 @@ class SharedKeyLimits:
             file.truncate((_HEADER_WORDS + capacity * (_SLOT_WORDS + writers)) * _WORD)
         return cls(path, lock_path)
 
-    @classmethod
-    def attach(cls, path: str, lock_path: str) -> SharedKeyLimits:
-        return cls(path, lock_path)
-
     def close(self) -> None:
-        """Unmap (the supervisor removes the file with its run directory)."""
-        self._q.release()
-        self._d.release()
+        """Unmap and drop the lock file (the supervisor removes both with its run directory)."""
+        for view in (self._q, self._d):
+            view.release()
         self._map.close()
         self._lock.close()
 
@@ -106,7 +99,8 @@ class SharedKeyLimits:
         d = self._d
         with self._locked():
             bucket.tokens, bucket.updated = d[at + _TOKENS], d[at + _UPDATED]
-            wait_s = bucket.take(now)
+            # A clock read just before another worker's take is not a refill backwards.
+            wait_s = bucket.take(max(now, bucket.updated))
             d[at + _TOKENS], d[at + _UPDATED] = bucket.tokens, bucket.updated
         return wait_s
 

@@ -62,11 +62,11 @@ class WorkerShare:
         return self.spec.events_index_path
 
     def key_limit(self, digest: bytes, rate: float, burst: int, now: float) -> SharedKeyLimit | None:
-        slot = None if self.key_limits is None else self.key_limits.claim(digest, burst, now)
-        if slot is None:
+        limits = self.key_limits
+        slot = None if limits is None else limits.claim(digest, burst, now)
+        if limits is None or slot is None:
             return None
-        return SharedKeyLimit(self.key_limits, slot, self.spec.index,  # type: ignore[arg-type]
-                              TokenBucket(rate, burst, now) if rate else None)
+        return SharedKeyLimit(limits, slot, self.spec.index, TokenBucket(rate, burst, now) if rate else None)
 
     def registry(self, on_change) -> SharedRegistry:
         return SharedRegistry(self.table, on_change)
@@ -94,7 +94,7 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
         configure_logger()
     tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
     table = SharedTable.attach(spec.table_path, spec.lock_path)
-    key_limits = (SharedKeyLimits.attach(spec.key_limits_path, spec.key_limits_lock_path)
+    key_limits = (SharedKeyLimits(spec.key_limits_path, spec.key_limits_lock_path)
                   if spec.key_limits_path else None)
     share = WorkerShare(spec, table, SharedRows(table, writer=spec.index, leader=spec.index == 0), key_limits)
     try:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator
 
@@ -15,7 +15,7 @@ import pytest
 from kvgate.processes import free_port
 from kvgate.workers.worker import WORKER_HEADER
 from tests.scripted_upstream import MODEL, Script, ScriptedUpstream
-from tests.workers.test_workers_serve import HOLD, start_workers, wait_listening
+from tests.workers.test_workers_serve import HOLD, start_workers, stop_workers, wait_listening
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -54,7 +54,7 @@ class Streams:
     carries the stream (a kept-alive connection stays with its worker)."""
 
     def __init__(self, url: str) -> None:
-        self._url = url
+        self.url = url
         self._sessions: list[aiohttp.ClientSession] = []
         self.held: dict[str, list[aiohttp.ClientResponse]] = {}
 
@@ -62,7 +62,7 @@ class Streams:
         deadline = time.monotonic() + 60  # a restarting worker takes seconds to load its tokenizer
         while time.monotonic() < deadline:
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
-            async with session.get(self._url + "/health") as probe:
+            async with session.get(self.url + "/health") as probe:
                 await probe.read()
                 if worker_of(probe) == worker:
                     self._sessions.append(session)
@@ -72,7 +72,7 @@ class Streams:
 
     async def hold(self, worker: str) -> aiohttp.ClientResponse:
         session = await self.session_on(worker)
-        response = await session.post(self._url + "/v1/completions", headers=AUTH,
+        response = await session.post(self.url + "/v1/completions", headers=AUTH,
                                       json={**BODY, "stream": True, "max_tokens": 400})
         assert response.status == 200, await response.text()
         assert worker_of(response) == worker
@@ -81,7 +81,7 @@ class Streams:
         return response
 
     async def try_on(self, worker: str) -> tuple[int, dict, str]:
-        async with (await self.session_on(worker)).post(self._url + "/v1/completions", json=BODY,
+        async with (await self.session_on(worker)).post(self.url + "/v1/completions", json=BODY,
                                                         headers=AUTH) as response:
             return response.status, await response.json(), response.headers.get("Retry-After", "")
 
@@ -93,15 +93,6 @@ class Streams:
         for session in self._sessions:
             await session.close()
         self._sessions.clear()
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 async def admitted_again(url: str) -> None:
@@ -138,10 +129,12 @@ async def test_the_rate_limit_holds_across_workers(tmp_path, upstream, keys_file
                 assert 90 <= int(retry_after) <= 100
         assert len(upstream.seen) == 4
     finally:
-        stop(process)
+        stop_workers(process)
 
 
-async def test_the_inflight_limit_holds_across_workers(tmp_path, upstream, keys_file):
+@contextlib.asynccontextmanager
+async def a_stream_on_each_worker(tmp_path, upstream: ScriptedUpstream, keys_file: str) -> AsyncIterator[Streams]:
+    """Two workers, a key allowed 2 requests in flight, and one stream of that key held on each worker."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = start_workers(tmp_path, upstream.url, port, api_keys_file=keys_file, api_key_max_inflight=2)
@@ -151,37 +144,30 @@ async def test_the_inflight_limit_holds_across_workers(tmp_path, upstream, keys_
         upstream.script = HOLD
         await streams.hold("0")
         await streams.hold("1")
+        yield streams
+    finally:
+        await streams.close()
+        stop_workers(process)
+
+
+async def test_the_inflight_limit_holds_across_workers(tmp_path, upstream, keys_file):
+    async with a_stream_on_each_worker(tmp_path, upstream, keys_file) as streams:
         for worker in ("0", "1"):  # each worker holds one, below the limit alone: the sum decides
             status, body, retry_after = await streams.try_on(worker)
             assert status == 429 and body["error"]["code"] == "inflight_limited", body
             assert retry_after == "1"
         await streams.close()
         upstream.script = Script()
-        await admitted_again(url)
-    finally:
-        await streams.close()
-        stop(process)
+        await admitted_again(streams.url)
 
 
 async def test_a_killed_workers_streams_leave_the_keys_count(tmp_path, upstream, keys_file):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = start_workers(tmp_path, upstream.url, port, api_keys_file=keys_file, api_key_max_inflight=2)
-    streams = Streams(url)
-    try:
-        await wait_listening(process, url)
-        upstream.script = HOLD
-        await streams.hold("0")
-        killed = await streams.hold("1")
+    async with a_stream_on_each_worker(tmp_path, upstream, keys_file) as streams:
         status, body, _ = await streams.try_on("0")
         assert status == 429 and body["error"]["code"] == "inflight_limited", body
-        os.kill(int(killed.headers[WORKER_HEADER].split(":")[1]), signal.SIGKILL)
+        os.kill(int(streams.held["1"][0].headers[WORKER_HEADER].split(":")[1]), signal.SIGKILL)
         # Once restarted, the key holds only worker 0's stream: one more is admitted, then no more.
         await streams.hold("1")
-        status, body, _ = await streams.try_on("1")
-        assert status == 429 and body["error"]["code"] == "inflight_limited", body
-        status, body, _ = await streams.try_on("0")
-        assert status == 429 and body["error"]["code"] == "inflight_limited", body
-    finally:
-        await streams.close()
-        stop(process)
+        for worker in ("1", "0"):
+            status, body, _ = await streams.try_on(worker)
+            assert status == 429 and body["error"]["code"] == "inflight_limited", body

@@ -22,7 +22,7 @@ def block(tmp_path):
 def worker_limit(block: SharedKeyLimits, writer: int, digest: bytes, rate: float = 1.0, burst: int = 3,
                  now: float = 100.0) -> SharedKeyLimit:
     """A key's limit as one worker holds it: its own view of the same file."""
-    view = SharedKeyLimits.attach(block.path, block.lock_path)
+    view = SharedKeyLimits(block.path, block.lock_path)
     slot = view.claim(digest, burst, now)
     assert slot is not None
     return SharedKeyLimit(view, slot, writer, TokenBucket(rate, burst, now))
@@ -34,6 +34,8 @@ def test_one_bucket_per_key_whichever_worker_takes(block):
     assert second.take(100.0) == pytest.approx(1.0)  # the burst of 3 is spent, by both
     assert first.take(100.5) == pytest.approx(0.5)  # half a token refilled, for both
     assert second.take(101.0) == 0.0
+    # A worker whose clock read came just before that take does not refill backwards.
+    assert first.take(100.999) == pytest.approx(1.0)
     # Another key has its own bucket: its burst is whole.
     other = worker_limit(block, 1, B)
     assert [other.take(101.0) for _ in range(3)] == [0.0, 0.0, 0.0]
