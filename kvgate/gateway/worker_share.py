@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from kvgate.config.settings import InstanceConfig
     from kvgate.gateway.fleet.registry import InstanceRegistry
+    from kvgate.gateway.http.key_limits import KeyLimit
     from kvgate.scheduler.account import AccountRows
 
 
@@ -35,3 +36,7 @@ class WorkerShare(Protocol):
 
     def whole_metrics(self, registry: InstanceRegistry) -> bytes:
         """/metrics of the whole gateway (every worker's series), in Prometheus' text format."""
+
+    def key_limit(self, digest: bytes, rate: float, burst: int, now: float) -> KeyLimit | None:
+        """The limits of the API key with this SHA-256 digest, counted by every worker (a bucket of
+        `rate` and `burst`, full at `now` when the key is new); None when there is no room for it."""

@@ -49,6 +49,13 @@ _READ_TIMEOUT_S = 5.0
 USED, DRAINING, EJECTED, DISCOVERED = 1, 2, 4, 8
 
 
+def map_words(path: str) -> tuple[mmap.mmap, memoryview, memoryview]:
+    """The file mapped, and two views of its 8-byte words: as int64 and as float64."""
+    with open(path, "r+b") as file:
+        mapped = mmap.mmap(file.fileno(), 0)
+    return mapped, memoryview(mapped).cast("q"), memoryview(mapped).cast("d")
+
+
 class TableFull(RuntimeError):
     """No free slot for another instance (raise --workers-max-instances)."""
 
@@ -67,10 +74,7 @@ class SharedTable:
     def __init__(self, path: str, lock_path: str) -> None:
         self.path = path
         self._lock_path = lock_path
-        with open(path, "r+b") as file:
-            self._map = mmap.mmap(file.fileno(), 0)
-        self._q = memoryview(self._map).cast("q")
-        self._d = memoryview(self._map).cast("d")
+        self._map, self._q, self._d = map_words(path)
         self.capacity = self._q[1]
         self.writers = self._q[2]
         self._slots_at = _HEADER_WORDS

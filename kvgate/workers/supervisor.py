@@ -4,8 +4,8 @@ The supervisor binds the port first (SO_REUSEPORT, never listening itself: it ke
 resolves port 0), then spawns the workers, which bind the same port with SO_REUSEPORT so the kernel
 spreads connections over them. It creates the shared table with the configured instances, and a
 directory for prometheus-client's multiprocess files. A worker that dies is restarted after its
-account rows are cleared (its requests died with it), a table change it left half-done is
-completed (shared_table.py), and its live gauges are marked dead. SIGTERM and SIGINT are forwarded to
+account rows and its rows of the API keys' in-flight counts are cleared (its requests died with it),
+a table change it left half-done is completed (shared_table.py), and its live gauges are marked dead. SIGTERM and SIGINT are forwarded to
 every worker, each of which drains as a single-process gateway does.
 
 Workers die with the supervisor however it dies (kill -9, the OOM killer): each arms Linux's
@@ -26,11 +26,13 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 
+from kvgate.config.api_keys import load_api_keys
 from kvgate.config.settings import Settings
 from kvgate.kvs_client.events import events_enabled
 from kvgate.kvs_client.events.index import EventsIndex
 from kvgate.workers.events_process import SubscriberSpec, run_events_subscriber
 from kvgate.workers.run_dir import RunDir, remove_abandoned, shared_memory_dir
+from kvgate.workers.shared_key_limits import SharedKeyLimits, key_slots
 from kvgate.workers.shared_table import SharedTable
 from kvgate.workers.worker import WorkerSpec, run_worker
 
@@ -90,6 +92,12 @@ class Supervisor:
         with self._table.changing():
             for instance in settings.instances:
                 self._table.add(instance)
+        # The API keys' limits, counted by every worker (slots for the keys at start and keys added later).
+        self._key_limits: SharedKeyLimits | None = None
+        if settings.api_keys_file:
+            self._key_limits = SharedKeyLimits.create(
+                str(self._run_dir / "key-limits"), key_slots(len(load_api_keys(settings.api_keys_file))), workers,
+                str(self._run_dir / "key-limits.lock"))
         # The engines' KV events: one index in shared memory, written by one subscriber process.
         self._events_path = ""
         if events_enabled(settings):
@@ -124,7 +132,9 @@ class Supervisor:
 
     def _spawn(self, index: int) -> tuple[BaseProcess, Event]:
         spec = WorkerSpec(index, self._table.path, str(self._run_dir / "lock"), str(self._metrics_dir),
-                          self._log_level, supervisor_pid=os.getpid(), events_index_path=self._events_path)
+                          self._log_level, supervisor_pid=os.getpid(), events_index_path=self._events_path,
+                          key_limits_path=self._key_limits.path if self._key_limits else "",
+                          key_limits_lock_path=self._key_limits.lock_path if self._key_limits else "")
         ready = self._context.Event()
         process = self._context.Process(target=run_worker, args=(self._settings, spec, ready),
                                         name=f"kvgate-worker-{index}", daemon=False)
@@ -178,7 +188,8 @@ class Supervisor:
         return 0
 
     def _forget(self, index: int, process: BaseProcess) -> None:
-        """What a dead worker leaves behind: its account row, its remote row if it led, its gauges."""
+        """What a dead worker leaves behind: its account row, its remote row if it led, its requests in
+        the API keys' in-flight counts, its gauges."""
         from prometheus_client import multiprocess
 
         with self._table.changing():  # the kernel released the lock if the worker died holding it
@@ -188,6 +199,8 @@ class Supervisor:
         self._table.clear_writer(index)
         if index == 0:
             self._table.clear_writer(self._count)
+        if self._key_limits is not None:
+            self._key_limits.clear_writer(index)
         if process.pid is not None:
             multiprocess.mark_process_dead(process.pid, str(self._metrics_dir))
 
@@ -219,6 +232,8 @@ class Supervisor:
                 process.join()
         self._port_holder.close()
         self._table.close()
+        if self._key_limits is not None:
+            self._key_limits.close()
         self._run.remove()
 
 

@@ -12,7 +12,9 @@ from aiohttp import web
 
 from kvgate.config.settings import Settings
 from kvgate.gateway.fleet.registry import InstanceRegistry
+from kvgate.gateway.http.key_limits import TokenBucket
 from kvgate.processes import die_with
+from kvgate.workers.shared_key_limits import SharedKeyLimit, SharedKeyLimits
 from kvgate.workers.shared_registry import SharedRegistry
 from kvgate.workers.shared_rows import SharedRows
 from kvgate.workers.shared_table import SharedTable
@@ -33,6 +35,9 @@ class WorkerSpec:
     supervisor_pid: int
     # The events index the supervisor's subscriber process writes; empty when events are off.
     events_index_path: str = ""
+    # The API keys' shared limits and their lock; empty without --api-keys-file.
+    key_limits_path: str = ""
+    key_limits_lock_path: str = ""
 
 
 @dataclass
@@ -42,6 +47,7 @@ class WorkerShare:
     spec: WorkerSpec
     table: SharedTable
     rows: SharedRows
+    key_limits: SharedKeyLimits | None = None
 
     def __post_init__(self) -> None:
         self._tag = f"{self.spec.index}:{os.getpid()}"
@@ -54,6 +60,13 @@ class WorkerShare:
     @property
     def events_index_path(self) -> str:
         return self.spec.events_index_path
+
+    def key_limit(self, digest: bytes, rate: float, burst: int, now: float) -> SharedKeyLimit | None:
+        limits = self.key_limits
+        slot = None if limits is None else limits.claim(digest, burst, now)
+        if limits is None or slot is None:
+            return None
+        return SharedKeyLimit(limits, slot, self.spec.index, TokenBucket(rate, burst, now) if rate else None)
 
     def registry(self, on_change) -> SharedRegistry:
         return SharedRegistry(self.table, on_change)
@@ -81,11 +94,15 @@ def run_worker(settings: Settings, spec: WorkerSpec, ready: Event) -> None:
         configure_logger()
     tokenizer = load_tokenizer(settings.tokenizer, settings.chat_template)
     table = SharedTable.attach(spec.table_path, spec.lock_path)
-    share = WorkerShare(spec, table, SharedRows(table, writer=spec.index, leader=spec.index == 0))
+    key_limits = (SharedKeyLimits(spec.key_limits_path, spec.key_limits_lock_path)
+                  if spec.key_limits_path else None)
+    share = WorkerShare(spec, table, SharedRows(table, writer=spec.index, leader=spec.index == 0), key_limits)
     try:
         code = run_gateway(settings, tokenizer, shared=share, on_ready=ready.set)
     finally:
         table.close()
+        if key_limits is not None:
+            key_limits.close()
     sys.exit(code)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from kvgate.processes import free_port
 from kvgate.workers.worker import WORKER_HEADER
 from tests.kv_events_engine import FakeEventsEngine
 from tests.scripted_upstream import MODEL, ScriptedUpstream
-from tests.workers.test_workers_serve import wait_listening
+from tests.workers.test_workers_serve import stop_workers, wait_listening
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -82,12 +81,7 @@ async def test_workers_share_one_subscription_and_one_index(tmp_path, engine):
         assert "kvgate_kv_events_subscriptions 1.0" in text
         assert 'kvgate_kv_events_blocks{instance="e0",medium="GPU"} 3.0' in text
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_workers(process)
     assert process.returncode == 0, process.stderr.read()
     await asyncio.sleep(0.2)
     assert events.connections == 0  # the subscriber closed its socket on the way out

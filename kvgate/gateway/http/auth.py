@@ -3,7 +3,8 @@
 Off unless --api-keys-file is set. Then every /v1/* request needs `Authorization: Bearer <key>`
 (401 otherwise); each key may start `--api-key-rate-limit-rps` requests per second with a burst of
 `--api-key-rate-limit-burst`, and hold `--api-key-max-inflight` requests at once (429 with
-Retry-After beyond either). Only the key's name reaches logs and metrics.
+Retry-After beyond either); with workers, those limits are the whole gateway's (key_limits.py).
+Only the key's name reaches logs and metrics.
 
 Keys are looked up by their SHA-256 digest and the match confirmed with a constant-time compare:
 the time taken says nothing about how much of a guessed key was right. A wrong key also spends
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -29,41 +32,25 @@ from kvgate.config.api_keys import ApiKey
 from kvgate.config.settings import Settings
 from kvgate.gateway.auth_failures import AuthFailureBudget, header_bytes
 from kvgate.gateway.errors import APIError, Handler
+from kvgate.gateway.http.key_limits import KeyLimit, LocalKeyLimit, TokenBucket
 from kvgate.gateway.http.upstream import url_has_credentials
 from kvgate.metrics.definitions import ClientKeyMetrics
+
+if TYPE_CHECKING:
+    from kvgate.gateway.worker_share import WorkerShare
+
+log = logging.getLogger(__name__)
 
 # The name of the key a request was admitted with (for the access log).
 CLIENT_KEY = web.RequestKey("client_key", str)
 _PROTECTED_PREFIX = "/v1/"
 
 
-class TokenBucket:
-    """`rate` tokens per second up to `burst`; a request takes one."""
-
-    __slots__ = ("_rate", "_burst", "_tokens", "_updated")
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        self._rate = rate
-        self._burst = burst
-        self._tokens = float(burst)
-        self._updated = now
-
-    def take(self, now: float) -> float:
-        """0 if a token was taken; otherwise the seconds until one will be available."""
-        self._tokens = min(self._burst, self._tokens + (now - self._updated) * self._rate)
-        self._updated = now
-        if self._tokens >= 1:
-            self._tokens -= 1
-            return 0.0
-        return (1 - self._tokens) / self._rate
-
-
 @dataclass(slots=True)
 class _KeyState:
     name: str
     secret: bytes
-    bucket: TokenBucket | None
-    inflight: int = 0
+    limit: KeyLimit
 
 
 class ClientAuth:
@@ -74,15 +61,27 @@ class ClientAuth:
         metrics: ClientKeyMetrics,
         failures: AuthFailureBudget,
         clock: Callable[[], float] = time.monotonic,
+        shared: WorkerShare | None = None,
     ) -> None:
+        """`shared`: the limits are counted with the other workers of the gateway (time.monotonic is
+        the whole machine's clock, so their buckets agree)."""
         rate = settings.api_key_rate_limit_rps
         burst = settings.api_key_rate_limit_burst or max(1, math.ceil(rate))
         now = clock()
-        self._keys = {
-            _digest(header_bytes(k.key)): _KeyState(k.name, header_bytes(k.key),
-                                                    TokenBucket(rate, burst, now) if rate else None)
-            for k in keys
-        }
+        self._keys: dict[bytes, _KeyState] = {}
+        unshared = []
+        for key in keys:
+            secret = header_bytes(key.key)
+            digest = _digest(secret)
+            limit = shared.key_limit(digest, rate, burst, now) if shared is not None else None
+            if limit is None:
+                limit = LocalKeyLimit(TokenBucket(rate, burst, now) if rate else None)
+                unshared.append(key.name)
+            self._keys[digest] = _KeyState(key.name, secret, limit)
+        if shared is not None and unshared:
+            log.warning("no room in the workers' shared key limits for API keys %s (keys added since the gateway "
+                        "started): each worker counts their limits alone until the gateway restarts",
+                        ", ".join(unshared))
         self._max_inflight = settings.api_key_max_inflight
         self._metrics = metrics
         self._failures = failures
@@ -102,18 +101,22 @@ class ClientAuth:
         return state
 
     def admit(self, state: _KeyState) -> None:
-        """Count the request against the key's limits, or refuse it with 429 and Retry-After."""
-        if self._max_inflight and state.inflight >= self._max_inflight:
+        """Count the request in the key's flight and against its rate, or refuse it with 429 and
+        Retry-After. Admitted, the caller ends it with `state.limit.leave()`."""
+        # Counted first, then checked: two workers admitting at once may both refuse, never both
+        # pass the limit.
+        inflight = state.limit.enter()
+        if self._max_inflight and inflight > self._max_inflight:
             self._refuse(state, "inflight_limited", 1.0,
-                         f"API key '{state.name}' already has {state.inflight} requests in flight "
+                         f"API key '{state.name}' already has {inflight - 1} requests in flight "
                          f"(the limit is {self._max_inflight})")
-        if state.bucket is not None:
-            wait_s = state.bucket.take(self._clock())
-            if wait_s:
-                self._refuse(state, "rate_limited", wait_s, f"API key '{state.name}' is over its rate limit")
+        wait_s = state.limit.take(self._clock())
+        if wait_s:
+            self._refuse(state, "rate_limited", wait_s, f"API key '{state.name}' is over its rate limit")
         self._metrics.requests.labels(state.name, "accepted").inc()
 
     def _refuse(self, state: _KeyState, outcome: str, wait_s: float, message: str) -> None:
+        state.limit.leave()
         self._metrics.requests.labels(state.name, outcome).inc()
         raise APIError(429, message, code=outcome, headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
@@ -125,11 +128,10 @@ class ClientAuth:
             state = self.authenticate(request.headers.get("Authorization", ""), request.remote)
             request[CLIENT_KEY] = state.name
             self.admit(state)
-            state.inflight += 1
             try:
                 return await handler(request)
             finally:
-                state.inflight -= 1
+                state.limit.leave()
 
         return require_api_key
 
