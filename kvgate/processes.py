@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,6 +33,36 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+# Ports handed out for late binding by this process: never twice, though none is bound yet.
+_LATE_PORTS: set[int] = set()
+_LATE_PORTS_FROM = 10000
+
+
+def free_port_for_late_bind(host: str = LOOPBACK) -> int:
+    """A free port below the kernel's ephemeral range, for a service that binds it long after it is
+    chosen: a vLLM engine binds its ports after loading the model, a minute later on a busy machine,
+    and meanwhile an ephemeral port (what `free_port` returns) may become some outgoing connection's
+    local port. The kernel never picks a port below that range on its own."""
+    try:
+        ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port(host)
+    if ephemeral_from <= _LATE_PORTS_FROM + 1000:
+        return free_port(host)
+    for _ in range(200):
+        port = random.randrange(_LATE_PORTS_FROM, ephemeral_from)
+        if port in _LATE_PORTS:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _LATE_PORTS.add(port)
+        return port
+    return free_port(host)
 
 
 def tcp_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:

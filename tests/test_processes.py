@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import sys
 from pathlib import Path
 
-from kvgate.processes import find_program
+from kvgate.processes import LOOPBACK, find_program, free_port_for_late_bind
 
 
 def test_a_program_beside_the_python_is_found_without_path(monkeypatch, tmp_path):
@@ -29,3 +30,15 @@ def test_path_comes_first(monkeypatch, tmp_path):
     on_path.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ.get("PATH", ""))
     assert Path(find_program("kvgate-test-program")) == on_path
+
+
+def test_ports_for_late_binding_are_distinct_bindable_and_never_ephemeral():
+    """A port a service binds a minute after it is chosen must not be one the kernel may meanwhile
+    give an outgoing connection."""
+    ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port_for_late_bind() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(port < ephemeral_from for port in ports)
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind((LOOPBACK, port))

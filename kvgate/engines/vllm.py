@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvgate.engines.install import EngineVenv
-from kvgate.processes import LOOPBACK, LocalProcess, free_port
+from kvgate.processes import LOOPBACK, LocalProcess, free_port_for_late_bind
 
 EngineRole = Literal["neutral", "prefill", "decode"]
 # About 70-95 s on an idle core (most of it torch.compile's warm-up); a busy machine can triple it.
@@ -37,23 +37,24 @@ PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:
 
 @dataclass(frozen=True)
 class VLLMEngineSpec:
-    """One engine's command line and environment; ports default to free loopback ports."""
+    """One engine's command line and environment; ports default to free loopback ports the engine
+    binds once its model is loaded (hence outside the ephemeral range: processes.py says why)."""
 
     model_dir: Path
     served_model_name: str
     core: int = 0
     role: EngineRole = "neutral"
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=free_port_for_late_bind)
     block_size: int = 256
     hash_algo: str = "sha256_cbor"
     hash_seed: str = "0"  # PYTHONHASHSEED: the string kvgate reads from GO_HASH_SEED
     max_model_len: int = 4096
     kv_cache_gib: float = 1.0
     kv_events: bool = True
-    kv_events_port: int = field(default_factory=free_port)
-    kv_events_replay_port: int = field(default_factory=free_port)
+    kv_events_port: int = field(default_factory=free_port_for_late_bind)
+    kv_events_replay_port: int = field(default_factory=free_port_for_late_bind)
     kv_events_int_hashes: bool = True
-    nixl_side_channel_port: int = field(default_factory=free_port)
+    nixl_side_channel_port: int = field(default_factory=free_port_for_late_bind)
     # vLLM's development routes, among them POST /reset_prefix_cache (the demo empties caches between runs).
     dev_mode: bool = False
     # LoRA adapters served beside the model, name -> directory (vLLM --enable-lora --lora-modules).
