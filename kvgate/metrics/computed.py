@@ -18,11 +18,29 @@ from prometheus_client import Gauge
 COPY_INTERVAL_S = 1.0
 
 
+class _Bound:
+    """A gauge, the function it reads, and the value last written into the worker's file."""
+
+    __slots__ = ("gauge", "value", "written")
+
+    def __init__(self, gauge: Gauge, value: Callable[[], float]) -> None:
+        self.gauge = gauge
+        self.value = value
+        self.written: float | None = None
+
+    def write(self) -> None:
+        """Unchanged values are not rewritten, so a "mostrecent" gauge shows the worker whose figure
+        moved last."""
+        current = float(self.value())
+        if current != self.written:
+            self.gauge.set(current)
+            self.written = current
+
+
 class ComputedGauges:
     def __init__(self, into_files: bool) -> None:
         self._into_files = into_files  # a worker of several: values are copied, not computed at scrape
-        self._bound: list[tuple[Gauge, Callable[[], float]]] = []
-        self._last: list[float | None] = []
+        self._bound: list[_Bound] = []
 
     @property
     def copying(self) -> bool:
@@ -34,22 +52,14 @@ class ComputedGauges:
         if not self._into_files:
             gauge.set_function(value)
             return
-        self._bound.append((gauge, value))
-        self._last.append(None)
-        self._write(len(self._bound) - 1)
+        bound = _Bound(gauge, value)
+        self._bound.append(bound)
+        bound.write()
 
     def copy(self) -> None:
-        """Write every bound value that changed into this worker's file (unchanged values are not
-        rewritten, so a "mostrecent" gauge shows the worker whose figure moved last)."""
-        for index in range(len(self._bound)):
-            self._write(index)
+        """Write every bound value that changed into this worker's file."""
+        for bound in self._bound:
+            bound.write()
 
     async def copy_job(self) -> None:
         self.copy()
-
-    def _write(self, index: int) -> None:
-        gauge, value = self._bound[index]
-        current = float(value())
-        if current != self._last[index]:
-            gauge.set(current)
-            self._last[index] = current
